@@ -1,0 +1,197 @@
+"""A thin typed bus over nats-py.
+
+- messages are msgspec Structs encoded as msgpack (messages.encode / messages.decode);
+- every request has an explicit timeout (BusConfig.request_timeout_s unless the caller names one);
+- no responders -> ServiceUnavailable, timeout -> RequestTimeout, an ErrorReply -> the typed error;
+- every payload is checked against the server's max_payload before sending: PayloadTooLarge, at once;
+- the connection reconnects forever;
+- streamed replies arrive on an inbox (`open_stream`) carrying sequence numbers and ending with a
+  terminal item, so a lost message is detected (StreamGap) instead of waiting forever.
+"""
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import nats
+import nats.errors
+from nats.aio.msg import Msg as NatsMsg
+from nats.aio.subscription import Subscription
+
+from . import log, messages, subjects
+from .config import BusConfig
+from .errors import PayloadTooLarge, RadixflowError, RequestTimeout, ServiceUnavailable, StreamGap, from_reply
+from .messages import ErrorReply, Msg, StreamChunk, StreamError
+
+T = TypeVar("T")
+_log = log.get("bus")
+
+# nats-py's protocol line and headers ride along with the payload; leave room for them.
+_OVERHEAD = 512
+
+
+class Bus:
+    def __init__(self, name: str, config: BusConfig):
+        self.name = name
+        self.config = config
+        self._nc: nats.NATS | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def connect(self, wait_s: float | None = None) -> None:
+        """Connect, retrying until `wait_s` (default connect_timeout_s) passes; reconnect forever after."""
+        wait_s = self.config.connect_timeout_s if wait_s is None else wait_s
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while True:
+            try:
+                self._nc = await nats.connect(
+                    self.config.nats_url, name=self.name, max_reconnect_attempts=-1,
+                    reconnect_time_wait=self.config.reconnect_wait_s, connect_timeout=2,
+                    allow_reconnect=True, error_cb=self._on_error,
+                    disconnected_cb=self._on_disconnect, reconnected_cb=self._on_reconnect)
+                return
+            except (OSError, nats.errors.Error, asyncio.TimeoutError) as e:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise ServiceUnavailable(f"cannot reach NATS at {self.config.nats_url}: {e}") from e
+                await asyncio.sleep(0.2)
+
+    async def close(self) -> None:
+        if self._nc is not None and not self._nc.is_closed:
+            try:
+                await self._nc.drain()
+            except (nats.errors.Error, asyncio.TimeoutError):
+                await self._nc.close()
+        self._nc = None
+
+    async def _on_error(self, e: Exception) -> None:
+        _log.warning("nats error", error=str(e), client=self.name)
+
+    async def _on_disconnect(self) -> None:
+        _log.warning("nats disconnected", client=self.name)
+
+    async def _on_reconnect(self) -> None:
+        _log.info("nats reconnected", client=self.name)
+
+    @property
+    def nc(self) -> nats.NATS:
+        if self._nc is None:
+            raise ServiceUnavailable("bus is not connected")
+        return self._nc
+
+    @property
+    def max_payload(self) -> int:
+        return self.nc.max_payload
+
+    # ------------------------------------------------------------ sending
+
+    def _encode(self, msg: Msg, subject: str) -> bytes:
+        data = messages.encode(msg)
+        limit = self.max_payload - _OVERHEAD
+        if len(data) > limit:
+            raise PayloadTooLarge(
+                f"{type(msg).__name__} of {len(data)} bytes exceeds the NATS max_payload "
+                f"({self.max_payload} bytes) on {subject}")
+        return data
+
+    async def publish(self, subject: str, msg: Msg) -> None:
+        await self.nc.publish(subject, self._encode(msg, subject))
+
+    async def request(self, subject: str, msg: Msg, reply: Any, *, timeout: float | None = None) -> Any:
+        """Send `msg` and decode the answer as `reply`; an ErrorReply raises the typed error."""
+        data = self._encode(msg, subject)
+        timeout = self.config.request_timeout_s if timeout is None else timeout
+        try:
+            resp = await self.nc.request(subject, data, timeout=timeout)
+        except nats.errors.NoRespondersError:
+            raise ServiceUnavailable(f"no service answers on {subject}") from None
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            raise RequestTimeout(f"no answer on {subject} within {timeout:g}s") from None
+        out = messages.decode(resp.data, reply | ErrorReply)
+        if isinstance(out, ErrorReply):
+            raise from_reply(out)
+        return out
+
+    async def respond(self, request: NatsMsg, msg: Msg) -> None:
+        """Answer a request; an oversize answer becomes a 413 ErrorReply instead of silence."""
+        if not request.reply:
+            return
+        try:
+            data = self._encode(msg, request.reply)
+        except PayloadTooLarge as e:
+            data = messages.encode(e.to_reply())
+        await self.nc.publish(request.reply, data)
+
+    # ------------------------------------------------------------ receiving
+
+    async def subscribe(self, subject: str, cb: Callable[[NatsMsg], Awaitable[None]], queue: str = "") -> Subscription:
+        return await self.nc.subscribe(subject, queue=queue, cb=cb)
+
+    def open_stream(self, idle_timeout_s: float | None = None) -> "InboxStream":
+        return InboxStream(self, idle_timeout_s)
+
+
+class InboxStream:
+    """The receiving end of a streamed reply (StreamChunk* then a terminal item).
+
+        async with bus.open_stream() as stream:
+            await bus.request(SUBMIT, GenerateRequest(stream_subject=stream.subject, ...), Accepted)
+            async for item in stream: ...
+
+    Subscribe before submitting, so nothing can arrive before anyone listens. Iteration ends after
+    the terminal item; a skipped sequence number raises StreamGap, silence past the idle timeout
+    raises RequestTimeout.
+    """
+
+    def __init__(self, bus: Bus, idle_timeout_s: float | None):
+        self.bus = bus
+        self.subject = subjects.stream_inbox(secrets.token_hex(12))
+        self.idle_timeout_s = idle_timeout_s
+        self._queue: asyncio.Queue[bytes | BaseException] = asyncio.Queue()
+        self._sub: Subscription | None = None
+        self._next_seq = 0
+        self._done = False
+
+    async def __aenter__(self) -> "InboxStream":
+        async def on_msg(m: NatsMsg) -> None:
+            self._queue.put_nowait(m.data)
+        self._sub = await self.bus.subscribe(self.subject, on_msg)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except nats.errors.Error:
+                pass
+
+    def fail(self, exc: BaseException) -> None:
+        """Wake the reader with an error (a watchdog saw the producer die)."""
+        self._queue.put_nowait(exc)
+
+    def __aiter__(self) -> "InboxStream":
+        return self
+
+    async def __anext__(self) -> StreamChunk | StreamError:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await asyncio.wait_for(self._queue.get(), self.idle_timeout_s)
+        except asyncio.TimeoutError:
+            self._done = True
+            raise RequestTimeout(f"stream {self.subject} silent for {self.idle_timeout_s:g}s") from None
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        out = messages.decode(item, StreamChunk | StreamError)
+        if out.seq != self._next_seq:
+            self._done = True
+            raise StreamGap(f"stream {self.subject}: expected item {self._next_seq}, got {out.seq}")
+        self._next_seq += 1
+        if isinstance(out, StreamError) or out.finished:
+            self._done = True
+        return out
+
+
+__all__ = ["Bus", "InboxStream", "RadixflowError"]

@@ -1,0 +1,106 @@
+"""Typed, frozen configuration, layered by who uses it.
+
+Every field can be overridden from the environment as RADIXFLOW_<SECTION>_<FIELD> (for example
+RADIXFLOW_EXECUTOR_PAGE_SIZE=32); explicit overrides passed to `load` win over the environment.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, get_type_hints
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class BusConfig:
+    SECTION = "BUS"
+    nats_url: str = "nats://127.0.0.1:4222"
+    # nats-py's 0.5 s default request timeout is wrong for LLM work; every request names its own.
+    request_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+    reconnect_wait_s: float = 0.5
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    SECTION = "EXECUTOR"
+    model: str = ""
+    instance: str = ""                # empty: derived from host and pid
+    device: str = "auto"              # auto | cpu | cuda | cuda:N
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 8192    # token budget of one prefill step
+    page_size: int = 16
+    max_total_tokens: int = 0         # KV pool size in tokens; 0 = sized from max_model_len
+    max_model_len: int = 0            # 0 = the model's max_position_embeddings
+    num_threads: int = 0              # torch intra-op threads; 0 = leave torch's default
+    heartbeat_s: float = 0.5
+    disable_radix_cache: bool = False
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    SECTION = "SCHEDULER"
+    instance: str = ""
+    executor_timeout_s: float = 3.0   # no heartbeat for this long: the executor is dead
+    max_queued_requests: int = 4096   # accepted but unfinished; beyond it a request gets 429
+    request_timeout_s: float = 900.0  # an accepted request ends by then, whatever happens
+    heartbeat_s: float = 0.5
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    SECTION = "GATEWAY"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str = ""       # empty: the model directory's name
+    api_keys: tuple[str, ...] = ()    # "key" or "key:tenant"; empty: auth off, tenant "default"
+    scheduler_timeout_s: float = 3.0  # no scheduler heartbeat for this long: 503 for in-flight streams
+    health_timeout_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    SECTION = "SERVICE"
+    concurrency: int = 64             # in-flight handlers per actor
+    heartbeat_s: float = 0.5
+    drain_timeout_s: float = 30.0
+
+
+def _parse(raw: str, typ: Any) -> Any:
+    if typ is bool:
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"not a boolean: {raw!r}")
+    if typ is int:
+        return int(raw)
+    if typ is float:
+        return float(raw)
+    if typ == tuple[str, ...]:
+        return tuple(p.strip() for p in raw.split(",") if p.strip())
+    return raw
+
+
+def load(cls: type[T], env: dict[str, str] | None = None, **overrides: Any) -> T:
+    """Build `cls` from its defaults, then RADIXFLOW_<SECTION>_<FIELD> variables, then overrides."""
+    env = os.environ if env is None else env
+    hints = get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        key = f"RADIXFLOW_{cls.SECTION}_{f.name.upper()}"
+        if key in env:
+            try:
+                values[f.name] = _parse(env[key], hints[f.name])
+            except ValueError as e:
+                raise ValueError(f"{key}: {e}") from None
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+    return cls(**values)
+
+
+__all__ = ["BusConfig", "ExecutorConfig", "SchedulerConfig", "GatewayConfig", "ServiceConfig", "load", "field"]

@@ -1,0 +1,278 @@
+"""Every message that crosses the bus, in one module, encoded one way (msgpack via msgspec).
+
+Structs are tagged with their class name, so a reply can be decoded as `Reply | ErrorReply` and a
+stream item as `StreamChunk | StreamError`. Field names are the wire contract: JSON Schemas of all
+of them are generated into schemas/ (`radixflow schemas`) and a test fails when they drift.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class Msg(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
+    """Base of every bus message."""
+
+
+# ---------------------------------------------------------------- common
+
+
+class ErrorReply(Msg):
+    """A failed request. `code` follows HTTP (400 bad input, 404, 413, 429, 503, 504, 500)."""
+    code: int
+    kind: str
+    message: str
+    param: str | None = None
+
+
+class StatusRequest(Msg):
+    pass
+
+
+class StatusReply(Msg):
+    service: str
+    instance: str
+    ok: bool = True
+    detail: dict[str, Any] = {}
+
+
+class Heartbeat(Msg):
+    """Published by every service instance every heartbeat period."""
+    service: str
+    instance: str
+    ts: float
+    detail: dict[str, Any] = {}
+
+
+# ---------------------------------------------------------------- sampling
+
+
+class SamplingParams(Msg):
+    """What the executor needs to sample one request (SGLang's sampling_params, normalized)."""
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                   # -1 or 0: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+
+class ChatMessage(Msg):
+    role: str
+    content: str
+
+
+# ---------------------------------------------------------------- gateway -> scheduler
+
+
+class GenerateRequest(Msg):
+    """A request submitted to the scheduler. Exactly one of text / messages / input_ids is set.
+    Output arrives on `stream_subject` as StreamChunk / StreamError with sequence numbers."""
+    rid: str
+    stream_subject: str
+    text: str | None = None
+    messages: list[ChatMessage] | None = None
+    input_ids: list[int] | None = None
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    tenant: str = "default"
+    cache_salt: str | None = None
+
+
+class Accepted(Msg):
+    rid: str
+    prompt_tokens: int
+    executor: str
+
+
+class AbortRequest(Msg):
+    rids: list[str]
+
+
+class Usage(Msg):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class StreamChunk(Msg):
+    """One step of one request's output. The last chunk of a request has finished=True."""
+    rid: str
+    seq: int
+    text: str = ""
+    token_ids: list[int] = []
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort
+    matched_stop: int | str | None = None
+    usage: Usage | None = None        # set on the last chunk
+
+
+class StreamError(Msg):
+    """Terminal: the request failed after it was accepted."""
+    rid: str
+    seq: int
+    code: int
+    kind: str
+    message: str
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+class EncodeRequest(Msg):
+    text: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class EncodeReply(Msg):
+    input_ids: list[int]
+
+
+class DetokItem(Msg):
+    """Stateless incremental detokenization: `ids` are the request's output ids from
+    `prefix_offset` on; offsets are relative to the full output and are echoed back advanced."""
+    ids: list[int]
+    prefix_offset: int
+    read_offset: int
+    skip_special_tokens: bool = True
+
+
+class DetokenizeRequest(Msg):
+    items: list[DetokItem]
+
+
+class DetokResult(Msg):
+    text: str
+    prefix_offset: int
+    read_offset: int
+
+
+class DetokenizeReply(Msg):
+    items: list[DetokResult]
+
+
+class TokenizerInfo(Msg):
+    vocab_size: int
+    eos_token_ids: list[int]
+    identity: str
+
+
+# ---------------------------------------------------------------- scheduler -> executor
+
+
+class ExecRequest(Msg):
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: list[int] = []
+    namespace: str = "default"        # cache namespace: tenant plus optional cache_salt
+    output_subject: str = ""          # where the executor publishes StepOutput for this request
+
+
+class ExecAccepted(Msg):
+    rid: str
+
+
+class SeqOutput(Msg):
+    rid: str
+    token_ids: list[int]              # new tokens of this step (possibly empty)
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error
+    matched_stop: int | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+class StepOutput(Msg):
+    """All outputs of one executor step for one scheduler: one message per step, never one per token."""
+    executor: str
+    step: int
+    outputs: list[SeqOutput]
+
+
+class ExecutorInfo(Msg):
+    """The `detail` of an executor's heartbeat."""
+    model: str
+    max_model_len: int
+    vocab_size: int
+    running: int
+    waiting: int
+    rids: list[str] = []
+
+
+# ---------------------------------------------------------------- radix (contracts; behaviour in the radix issue)
+
+
+class RadixMatch(Msg):
+    pool: str
+    namespace: str
+    token_ids: list[int]
+
+
+class RadixMatchReply(Msg):
+    cached_tokens: int
+    pages: list[int] = []
+
+
+class RadixPlace(Msg):
+    """Which executor pool holds the longest prefix of `token_ids`, at what load."""
+    namespace: str
+    token_ids: list[int]
+    pools: list[str]
+
+
+class RadixPlaceReply(Msg):
+    pool: str
+    cached_tokens: int
+
+
+# ---------------------------------------------------------------- grammar (contracts; behaviour in the grammar issue)
+
+
+class GrammarCompile(Msg):
+    kind: str                         # json_schema | json_object | regex | ebnf | choice
+    spec: str
+    tokenizer: str                    # TokenizerInfo.identity
+
+
+class GrammarCompiled(Msg):
+    key: str
+    compile_s: float = 0.0
+    cache_hit: bool = False
+
+
+class GrammarFetch(Msg):
+    key: str
+
+
+class GrammarBlob(Msg):
+    key: str
+    data: bytes
+
+
+ALL: tuple[type[Msg], ...] = tuple(
+    v for v in list(globals().values()) if isinstance(v, type) and issubclass(v, Msg) and v is not Msg
+)
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+_decoders: dict[Any, msgspec.msgpack.Decoder] = {}
+
+
+def decode(data: bytes, typ: Any) -> Any:
+    """Decode `data` as `typ` (a Msg class or a Union of them); decoders are cached per type."""
+    dec = _decoders.get(typ)
+    if dec is None:
+        dec = _decoders[typ] = msgspec.msgpack.Decoder(typ)
+    return dec.decode(data)

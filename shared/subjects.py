@@ -1,0 +1,54 @@
+"""Every NATS subject, in one module. These are the public API for NATS clients.
+
+    rf.scheduler.submit            request/reply  GenerateRequest -> Accepted | ErrorReply
+    rf.scheduler.abort             publish        AbortRequest
+    <stream_subject>               stream         StreamChunk* then a terminal StreamChunk(finished) | StreamError
+    rf.tokenizer.encode            req/reply, queue group "tokenizer"   EncodeRequest -> EncodeReply
+    rf.tokenizer.detokenize        req/reply, queue group "tokenizer"   DetokenizeRequest -> DetokenizeReply
+    rf.tokenizer.info              req/reply, queue group "tokenizer"   StatusRequest -> TokenizerInfo
+    rf.grammar.compile             req/reply, queue group "grammar"     GrammarCompile -> GrammarCompiled
+    rf.grammar.fetch               req/reply, queue group "grammar"     GrammarFetch -> GrammarBlob
+    rf.radix.match / rf.radix.place  req/reply                          RadixMatch / RadixPlace
+    rf.executor.<id>.submit        req/reply      ExecRequest -> ExecAccepted | ErrorReply
+    rf.executor.<id>.abort         publish        AbortRequest
+    rf.scheduler.<id>.output       publish        StepOutput (executor -> the scheduler that submitted)
+    rf.<service>.status            req/reply      StatusRequest -> StatusReply (any one instance answers)
+    rf.heartbeat.<service>         publish        Heartbeat
+"""
+from __future__ import annotations
+
+SERVICES = ("gateway", "tokenizer", "grammar", "radix", "scheduler", "executor")
+
+SCHEDULER_SUBMIT = "rf.scheduler.submit"
+SCHEDULER_ABORT = "rf.scheduler.abort"
+TOKENIZER_ENCODE = "rf.tokenizer.encode"
+TOKENIZER_DETOKENIZE = "rf.tokenizer.detokenize"
+TOKENIZER_INFO = "rf.tokenizer.info"
+GRAMMAR_COMPILE = "rf.grammar.compile"
+GRAMMAR_FETCH = "rf.grammar.fetch"
+RADIX_MATCH = "rf.radix.match"
+RADIX_PLACE = "rf.radix.place"
+
+
+def status(service: str) -> str:
+    return f"rf.{service}.status"
+
+
+def heartbeat(service: str) -> str:
+    return f"rf.heartbeat.{service}"
+
+
+def executor_submit(instance: str) -> str:
+    return f"rf.executor.{instance}.submit"
+
+
+def executor_abort(instance: str) -> str:
+    return f"rf.executor.{instance}.abort"
+
+
+def scheduler_output(instance: str) -> str:
+    return f"rf.scheduler.{instance}.output"
+
+
+def stream_inbox(token: str) -> str:
+    return f"_INBOX.rf.{token}"

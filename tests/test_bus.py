@@ -1,0 +1,161 @@
+"""The bus and the actor base against a real nats-server."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from radixflow.shared.actor import Actor
+from radixflow.shared.bus import Bus
+from radixflow.shared.config import BusConfig, ServiceConfig
+from radixflow.shared.errors import BadRequest, PayloadTooLarge, RequestTimeout, ServiceUnavailable, StreamGap
+from radixflow.shared.messages import (EncodeReply, EncodeRequest, StatusReply, StatusRequest, StreamChunk,
+                                       StreamError)
+from radixflow.shared import subjects
+
+
+async def connect(url: str, name: str = "t", timeout: float = 5.0) -> Bus:
+    bus = Bus(name, BusConfig(nats_url=url, request_timeout_s=timeout))
+    await bus.connect()
+    return bus
+
+
+class Echo(Actor):
+    service = "echo"
+
+    def __init__(self, bus, **kw):
+        super().__init__(bus, **kw)
+        self.active = 0
+        self.peak = 0
+        self.route("t.echo", EncodeRequest, self.echo, queue="echo")
+        self.route("t.slow", EncodeRequest, self.slow)
+
+    async def echo(self, req: EncodeRequest) -> EncodeReply:
+        if req.text == "bad":
+            raise BadRequest("text must not be 'bad'", param="text")
+        return EncodeReply(input_ids=[len(req.text or "")])
+
+    async def slow(self, req: EncodeRequest) -> EncodeReply:
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        await asyncio.sleep(0.2)
+        self.active -= 1
+        return EncodeReply(input_ids=[1])
+
+
+async def test_request_reply_and_typed_errors(nats_server):
+    bus = await connect(nats_server.url)
+    actor = Echo(bus)
+    await actor.start()
+    try:
+        r = await bus.request("t.echo", EncodeRequest(text="hello"), EncodeReply)
+        assert r.input_ids == [5]
+        with pytest.raises(BadRequest) as ei:
+            await bus.request("t.echo", EncodeRequest(text="bad"), EncodeReply)
+        assert ei.value.param == "text"
+        st = await bus.request(subjects.status("echo"), StatusRequest(), StatusReply)
+        assert st.instance == actor.instance
+        # a malformed message is a 400, not a crash
+        with pytest.raises(BadRequest):
+            await bus.request("t.echo", StatusReply(service="x", instance="y"), EncodeReply)
+    finally:
+        await actor.drain()
+        await actor.stop()
+        await bus.close()
+
+
+async def test_no_responders_is_fast_service_unavailable(nats_server):
+    bus = await connect(nats_server.url)
+    t0 = time.monotonic()
+    with pytest.raises(ServiceUnavailable):
+        await bus.request("t.nobody.home", EncodeRequest(text="x"), EncodeReply, timeout=10)
+    assert time.monotonic() - t0 < 1.0
+    await bus.close()
+
+
+async def test_explicit_timeout(nats_server):
+    bus = await connect(nats_server.url)
+
+    async def silent(m):
+        pass
+    await bus.subscribe("t.silent", silent)
+    t0 = time.monotonic()
+    with pytest.raises(RequestTimeout):
+        await bus.request("t.silent", EncodeRequest(text="x"), EncodeReply, timeout=0.3)
+    assert 0.25 < time.monotonic() - t0 < 2.0
+    await bus.close()
+
+
+async def test_oversize_payload_is_a_clear_error_not_a_timeout(small_nats_server):
+    bus = await connect(small_nats_server.url)
+    assert bus.max_payload == 64 * 1024
+    t0 = time.monotonic()
+    with pytest.raises(PayloadTooLarge, match="max_payload"):
+        await bus.request("t.echo", EncodeRequest(text="x" * 100_000), EncodeReply, timeout=10)
+    assert time.monotonic() - t0 < 0.5
+    await bus.close()
+
+
+async def test_stream_sequence_and_gap_detection(nats_server):
+    bus = await connect(nats_server.url)
+    async with bus.open_stream(idle_timeout_s=2) as s:
+        for i in range(3):
+            await bus.publish(s.subject, StreamChunk(rid="r", seq=i, text=str(i)))
+        await bus.publish(s.subject, StreamChunk(rid="r", seq=3, finished=True, finish_reason="length"))
+        got = [c async for c in s]
+        assert [c.text for c in got] == ["0", "1", "2", ""] and got[-1].finished
+    async with bus.open_stream(idle_timeout_s=2) as s:
+        await bus.publish(s.subject, StreamChunk(rid="r", seq=0, text="a"))
+        await bus.publish(s.subject, StreamChunk(rid="r", seq=2, text="c"))
+        with pytest.raises(StreamGap):
+            async for _ in s:
+                pass
+    async with bus.open_stream(idle_timeout_s=2) as s:
+        await bus.publish(s.subject, StreamError(rid="r", seq=0, code=503, kind="service_unavailable", message="x"))
+        got = [c async for c in s]
+        assert isinstance(got[0], StreamError) and len(got) == 1
+    async with bus.open_stream(idle_timeout_s=0.2) as s:
+        with pytest.raises(RequestTimeout):
+            async for _ in s:
+                pass
+    await bus.close()
+
+
+async def test_bounded_concurrency_and_drain(nats_server):
+    bus = await connect(nats_server.url)
+    actor = Echo(bus, config=ServiceConfig(concurrency=3))
+    await actor.start()
+    reqs = [asyncio.create_task(bus.request("t.slow", EncodeRequest(text="x"), EncodeReply)) for _ in range(9)]
+    await asyncio.sleep(0.05)
+    await actor.drain(timeout_s=5)   # in-flight and queued work still completes
+    results = await asyncio.gather(*reqs)
+    assert len(results) == 9 and actor.peak == 3
+    await actor.stop()
+    with pytest.raises(ServiceUnavailable):   # intake is closed after drain
+        await bus.request("t.slow", EncodeRequest(text="x"), EncodeReply, timeout=2)
+    await bus.close()
+
+
+async def test_supervisor_restarts_a_crashed_loop(nats_server):
+    bus = await connect(nats_server.url)
+    actor = Echo(bus, config=ServiceConfig(concurrency=1))
+    crashes = []
+    original = actor._handle
+
+    async def flaky(r, m):
+        if not crashes:
+            crashes.append(1)
+            raise RuntimeError("loop bug")
+        await original(r, m)
+    actor._handle = flaky
+    await actor.start()
+    try:
+        with pytest.raises(RequestTimeout):   # the message in hand when the loop died is lost...
+            await bus.request("t.echo", EncodeRequest(text="ab"), EncodeReply, timeout=0.5)
+        r = await bus.request("t.echo", EncodeRequest(text="abc"), EncodeReply, timeout=2)
+        assert r.input_ids == [3]             # ...but the loop was restarted and serves again
+        assert actor.restarts == 1
+    finally:
+        await actor.stop()
+        await bus.close()
