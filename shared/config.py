@@ -27,6 +27,7 @@ class BusConfig:
 class ExecutorConfig:
     SECTION = "EXECUTOR"
     model: str = ""
+    served_model_name: str = ""       # empty: the model directory's name
     instance: str = ""                # empty: derived from host and pid
     device: str = "auto"              # auto | cpu | cuda | cuda:N
     max_running_requests: int = 64
@@ -54,7 +55,6 @@ class GatewayConfig:
     SECTION = "GATEWAY"
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_name: str = ""       # empty: the model directory's name
     api_keys: tuple[str, ...] = ()    # "key" or "key:tenant"; empty: auth off, tenant "default"
     scheduler_timeout_s: float = 3.0  # no scheduler heartbeat for this long: 503 for in-flight streams
     health_timeout_s: float = 2.0

@@ -87,6 +87,7 @@ class Accepted(Msg):
     rid: str
     prompt_tokens: int
     executor: str
+    scheduler: str                    # the scheduler instance that owns the request's lifecycle
 
 
 class AbortRequest(Msg):
@@ -140,6 +141,7 @@ class DetokItem(Msg):
     prefix_offset: int
     read_offset: int
     skip_special_tokens: bool = True
+    flush: bool = False               # the request's last call: release an incomplete trailing character
 
 
 class DetokenizeRequest(Msg):
@@ -203,7 +205,6 @@ class ExecutorInfo(Msg):
     vocab_size: int
     running: int
     waiting: int
-    rids: list[str] = []
 
 
 # ---------------------------------------------------------------- radix (contracts; behaviour in the radix issue)

@@ -1,0 +1,126 @@
+"""The `radixflow` command.
+
+    radixflow up [--model DIR] [--port 8000] [--nats-url URL] ...   every service in one process
+    radixflow service NAME --nats-url URL [--model DIR] ...          one service
+    radixflow make-model PRESET DIR                                  a tiny HF checkpoint (tiny-dense, tiny-hybrid)
+    radixflow schemas [--check]                                      write (or check) schemas/*.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+
+def _cache_dir() -> str:
+    return os.environ.get("RADIXFLOW_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "radixflow"))
+
+
+def default_model() -> str:
+    """The tiny-hybrid checkpoint in the cache directory, created on first use."""
+    from radixflow.services.modelgen.make import make_model
+    path = os.path.join(_cache_dir(), "models", "tiny-hybrid")
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        print(f"creating the tiny-hybrid model in {path}", file=sys.stderr)
+        make_model("tiny-hybrid", path)
+    return path
+
+
+def _serving_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Hugging Face model directory (default: tiny-hybrid, created in the cache)")
+    p.add_argument("--served-model-name", help="model id in the API (default: the directory's name)")
+    p.add_argument("--host", default=None, help="HTTP bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
+    p.add_argument("--device", default=None, help="auto | cpu | cuda")
+    p.add_argument("--page-size", type=int, default=None)
+    p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
+    p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--max-prefill-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--disable-radix-cache", action="store_true", default=None)
+    p.add_argument("--api-key", action="append", default=None, help="KEY or KEY:TENANT; repeatable; enables auth")
+    p.add_argument("--request-timeout", type=float, default=None, help="seconds before an unfinished request fails")
+
+
+def _overrides(a: argparse.Namespace) -> dict:
+    return dict(ex_served_model_name=a.served_model_name, ex_device=a.device, ex_page_size=a.page_size,
+                ex_max_total_tokens=a.max_total_tokens, ex_max_running_requests=a.max_running_requests,
+                ex_max_prefill_tokens=a.max_prefill_tokens, ex_max_model_len=a.max_model_len,
+                ex_disable_radix_cache=a.disable_radix_cache, gw_host=a.host, gw_port=a.port,
+                gw_api_keys=tuple(a.api_key) if a.api_key else None, sc_request_timeout_s=a.request_timeout)
+
+
+def cmd_up(a: argparse.Namespace) -> int:
+    from radixflow.services.stack import Stack, run_until_signal, stack_config
+    from radixflow.shared.natsd import NatsServer
+    model = a.model or default_model()
+    server = None
+    url = a.nats_url
+    if not url:
+        server = NatsServer().start()
+        url = server.url
+        print(f"embedded nats-server on {url}", file=sys.stderr)
+    try:
+        asyncio.run(run_until_signal(Stack(stack_config(url, model, **_overrides(a)))))
+    finally:
+        if server is not None:
+            server.stop()
+    return 0
+
+
+def cmd_service(a: argparse.Namespace) -> int:
+    from radixflow.services.stack import ORDER, Stack, run_until_signal, stack_config
+    if a.name not in ORDER:
+        print(f"unknown service {a.name!r}; one of {', '.join(ORDER)}", file=sys.stderr)
+        return 2
+    model = a.model or (default_model() if a.name in ("executor", "tokenizer") else "")
+    asyncio.run(run_until_signal(Stack(stack_config(a.nats_url, model, **_overrides(a)), names=(a.name,))))
+    return 0
+
+
+def cmd_make_model(a: argparse.Namespace) -> int:
+    from radixflow.services.modelgen.make import make_model
+    print(make_model(a.preset, a.dir, seed=a.seed))
+    return 0
+
+
+def cmd_schemas(a: argparse.Namespace) -> int:
+    from radixflow.shared.schemas import check, write
+    if a.check:
+        drift = check(a.dir)
+        for d in drift:
+            print(d, file=sys.stderr)
+        return 1 if drift else 0
+    for p in write(a.dir):
+        print(p)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="radixflow", description="radixflow: a serving runtime for LLM programs")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("up", help="run every service in one process (embedded nats-server unless --nats-url)")
+    _serving_args(p)
+    p.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
+    p.set_defaults(fn=cmd_up)
+    p = sub.add_parser("service", help="run one service against a NATS server")
+    p.add_argument("name", help="gateway | tokenizer | grammar | radix | scheduler | executor")
+    p.add_argument("--nats-url", default=os.environ.get("RADIXFLOW_BUS_NATS_URL", "nats://127.0.0.1:4222"))
+    _serving_args(p)
+    p.set_defaults(fn=cmd_service)
+    p = sub.add_parser("make-model", help="write a tiny Hugging Face checkpoint with seeded random weights")
+    p.add_argument("preset", help="tiny-dense | tiny-hybrid")
+    p.add_argument("dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_make_model)
+    p = sub.add_parser("schemas", help="write the JSON Schemas of the bus messages (or --check for drift)")
+    p.add_argument("--dir", default="schemas")
+    p.add_argument("--check", action="store_true")
+    p.set_defaults(fn=cmd_schemas)
+    a = ap.parse_args(argv)
+    return a.fn(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""Free lists for KV pages and state slots.
+
+In this executor-local form every sequence owns its pages privately. The radix issue moves the
+authority over which pages are free to the radix service; the batcher talks to this interface only.
+"""
+from __future__ import annotations
+
+
+class FreeList:
+    """Integer ids 0..n-1, all-or-nothing allocation."""
+
+    def __init__(self, n: int):
+        self.total = n
+        self._free = list(range(n - 1, -1, -1))   # pop() hands out low ids first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, k: int) -> list[int] | None:
+        if k > len(self._free):
+            return None
+        out = [self._free.pop() for _ in range(k)]
+        return out
+
+    def free(self, ids: list[int]) -> None:
+        self._free.extend(ids)
+        assert len(self._free) <= self.total, "double free"
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)

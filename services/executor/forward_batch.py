@@ -1,0 +1,44 @@
+"""ForwardBatch: everything one model step needs, as tensors, built by the runner.
+
+Tokens of every sequence in the step are packed along one axis T. A sequence contributes its
+`extend_len` new tokens; the `prefix_len` tokens before them already have K/V in the pool (and,
+for hybrid models, their recurrent state in the sequence's state slot).
+
+    seq i:   [ prefix_len_i (in pool) | extend_len_i (computed now) ]
+    packed:  [ seq0 extend | seq1 extend | ... ]          T = sum(extend_len)
+
+Invariant (hybrid): state slot `state_slots[i]` holds the DeltaNet state after exactly
+`prefix_len_i` tokens when the step starts, and after `prefix_len_i + extend_len_i` when it ends.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    is_decode: bool
+    input_ids: torch.Tensor          # [T] int64
+    positions: torch.Tensor          # [T] int64
+    out_slots: torch.Tensor          # [T] int64: KV slot written by each new token
+    prefix_lens: list[int]           # [N]
+    extend_lens: list[int]           # [N]
+    seq_slots: list[torch.Tensor]    # N x [prefix_len + extend_len] int64: every KV slot of the sequence
+    state_slots: torch.Tensor        # [N] int64 (hybrid only; empty otherwise)
+    logits_rows: torch.Tensor        # [M] int64: packed rows whose next-token logits are wanted
+    slot_table: torch.Tensor | None = None   # decode: [N, Lmax] padded seq_slots
+    seq_lens: torch.Tensor | None = None     # decode: [N]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.extend_lens)
+
+    def bounds(self) -> list[tuple[int, int]]:
+        """[start, end) of each sequence's rows in the packed axis."""
+        out, s = [], 0
+        for e in self.extend_lens:
+            out.append((s, s + e))
+            s += e
+        return out

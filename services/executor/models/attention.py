@@ -1,0 +1,50 @@
+"""Full-attention layer over the paged KV pool (Qwen3; Qwen3.5 adds an output gate)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixflow.kernels.attention import decode_attention, prefill_attention, write_kv
+
+from ..forward_batch import ForwardBatch
+from .layers import RMSNorm, Rotary
+from .spec import ModelSpec
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, rotary: Rotary):
+        super().__init__()
+        self.h, self.hkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.gated = spec.attn_output_gate
+        q_out = self.h * self.d * (2 if self.gated else 1)
+        self.q_size = q_out
+        self.kv_size = self.hkv * self.d
+        # q, k, v fused into one matmul; the loader concatenates the checkpoint's three weights
+        self.qkv = nn.Linear(spec.hidden_size, q_out + 2 * self.kv_size, bias=False)
+        self.o = nn.Linear(self.h * self.d, spec.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, spec.rms_norm_eps, spec.zero_centered_norm)
+        self.k_norm = RMSNorm(self.d, spec.rms_norm_eps, spec.zero_centered_norm)
+        self.rotary = rotary
+        self.scale = self.d ** -0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.gated:
+            # per head the checkpoint lays out [query (D) | gate (D)]
+            q, gate = q.view(T, self.h, 2 * self.d).chunk(2, dim=-1)
+            gate = gate.reshape(T, self.h * self.d)
+        q = self.rotary(self.q_norm(q.reshape(T, self.h, self.d)), batch.positions)       # [T, H, D]
+        k = self.rotary(self.k_norm(k.reshape(T, self.hkv, self.d)), batch.positions)     # [T, Hkv, D]
+        v = v.reshape(T, self.hkv, self.d)
+        write_kv(k_cache, v_cache, batch.out_slots, k, v)
+        if batch.is_decode:
+            o = decode_attention(q, k_cache, v_cache, batch.slot_table, batch.seq_lens, self.scale)
+        else:
+            o = torch.empty_like(q)
+            for i, (s, e) in enumerate(batch.bounds()):
+                o[s:e] = prefill_attention(q[s:e], k_cache, v_cache, batch.seq_slots[i], batch.prefix_lens[i], self.scale)
+        o = o.reshape(T, self.h * self.d)
+        if self.gated:
+            o = o * torch.sigmoid(gate)
+        return self.o(o)

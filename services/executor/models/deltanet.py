@@ -1,0 +1,71 @@
+"""Gated DeltaNet layer (Qwen3.5 / Qwen3-Next linear attention) over the state-slot pool.
+
+Per token: a depthwise causal conv (kernel W) over [q|k|v] with SiLU, then the gated delta rule
+    S <- S * exp(g);  S <- S + k (beta * (v - k^T S))^T;  o = q^T S
+with q, k L2-normalised, g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), and a gated
+RMSNorm on the output. The conv keeps the last W-1 inputs and the rule keeps S: both live in the
+sequence's state slot, read at the start of a step and written back at its end.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixflow.kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
+from radixflow.kernels.gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_decode
+
+from ..forward_batch import ForwardBatch
+from .layers import GatedRMSNorm
+from .spec import ModelSpec
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.hk, self.hv = spec.lin_num_k_heads, spec.lin_num_v_heads
+        self.dk, self.dv = spec.lin_k_dim, spec.lin_v_dim
+        self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
+        self.conv_dim = spec.conv_dim
+        # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a fused into one matmul by the loader
+        self.in_proj = nn.Linear(spec.hidden_size, self.conv_dim + self.value_dim + 2 * self.hv, bias=False)
+        self.conv_weight = nn.Parameter(torch.zeros(self.conv_dim, spec.conv_kernel), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.zeros(self.hv), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(self.hv), requires_grad=False)
+        self.norm = GatedRMSNorm(self.dv, spec.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rec: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
+        slots = batch.state_slots
+        if batch.is_decode:
+            conv_state = conv[slots]                                           # [N, C, W-1] (a copy)
+            mixed = causal_conv1d_update(mixed, conv_state, self.conv_weight)  # [N, C]
+            conv[slots] = conv_state
+        else:
+            out = torch.empty_like(mixed)
+            for (s, e), slot in zip(batch.bounds(), slots.tolist()):
+                y, final = causal_conv1d(mixed[s:e].T, self.conv_weight, conv[slot])
+                out[s:e] = y.T
+                conv[slot] = final
+            mixed = out
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(T, self.hk, self.dk)
+        k = k.reshape(T, self.hk, self.dk)
+        v = v.reshape(T, self.hv, self.dv)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)   # [T, Hv], <= 0
+        if batch.is_decode:
+            state = rec[slots]                                                  # [N, Hv, Dk, Dv] (a copy)
+            o = gated_delta_rule_decode(q, k, v, g, beta, state)
+            rec[slots] = state
+        else:
+            o = torch.empty_like(v)
+            for (s, e), slot in zip(batch.bounds(), slots.tolist()):
+                oi, final = chunk_gated_delta_rule(q[None, s:e], k[None, s:e], v[None, s:e], g[None, s:e],
+                                                   beta[None, s:e], initial_state=rec[slot][None])
+                o[s:e] = oi[0]
+                rec[slot] = final[0]
+        o = self.norm(o, z.reshape(T, self.hv, self.dv))
+        return self.out_proj(o.reshape(T, self.value_dim))

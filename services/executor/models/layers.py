@@ -1,0 +1,84 @@
+"""Small building blocks shared by both model families."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in fp32. Qwen3.5 stores zero-centered weights and scales by (1 + w)."""
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (x * (1.0 + self.weight.float())).to(dtype)
+        # Qwen3 casts before scaling (matches transformers bit for bit in bf16)
+        return self.weight * x.to(dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """norm(x) * w * silu(z): the output norm of a Gated DeltaNet head."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = self.weight * x.to(dtype)
+        return (x * F.silu(z.float())).to(dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU with gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Rotary(nn.Module):
+    """Rotary embedding on the first `rotary_dim` dims of each head (rotate-half layout).
+
+    Qwen3.5's multimodal rope (mrope) gives every section the same position for text, so for text it
+    is exactly this."""
+
+    def __init__(self, rotary_dim: int, theta: float, max_pos: int):
+        super().__init__()
+        self.rotary_dim, self.theta, self.max_pos = rotary_dim, theta, max_pos
+        self.materialize(torch.device("cpu"))
+
+    def materialize(self, device: torch.device) -> None:
+        """(Re)build the cos/sin tables on `device` (plain attributes: never part of a checkpoint)."""
+        r = self.rotary_dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, r, 2, dtype=torch.float, device=device) / r))
+        freqs = torch.arange(self.max_pos, dtype=torch.float, device=device)[:, None] * inv_freq[None, :]  # [P, R/2]
+        emb = torch.cat([freqs, freqs], dim=-1)                                                           # [P, R]
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [T, H, D]
+        r = self.rotary_dim
+        cos = self.cos[positions].to(x.dtype)[:, None, :]   # [T, 1, R]
+        sin = self.sin[positions].to(x.dtype)[:, None, :]
+        rot, keep = x[..., :r], x[..., r:]
+        x1, x2 = rot[..., : r // 2], rot[..., r // 2:]
+        rotated = torch.cat([-x2, x1], dim=-1)
+        return torch.cat([rot * cos + rotated * sin, keep], dim=-1)

@@ -1,0 +1,84 @@
+"""Load a Hugging Face checkpoint (safetensors) into radixflow's CausalLM.
+
+Checkpoint names follow transformers' Qwen3ForCausalLM / Qwen3_5ForCausalLM; Qwen3.5's multimodal
+checkpoints (`model.language_model.*`) load too, their vision tower and MTP head skipped. Projections
+that run back to back are fused here (q|k|v, gate|up, DeltaNet's qkv|z|b|a) so a step does fewer matmuls.
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+from safetensors import safe_open
+
+from .spec import ModelSpec
+from .transformer import CausalLM
+
+_SKIP = ("model.visual.", "mtp.", "model.language_model.visual.")
+
+
+def _read_tensors(path: str) -> dict[str, torch.Tensor]:
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():
+                if name.startswith(_SKIP):
+                    continue
+                out[name.replace("model.language_model.", "model.")] = st.get_tensor(name)
+    return out
+
+
+def _remap(spec: ModelSpec, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint names -> CausalLM state_dict names (fusing projections)."""
+    sd: dict[str, torch.Tensor] = {"embed.weight": w.pop("model.embed_tokens.weight"),
+                                   "norm.weight": w.pop("model.norm.weight")}
+    head = w.pop("lm_head.weight", None)
+    sd["lm_head.weight"] = sd["embed.weight"] if head is None or spec.tie_word_embeddings else head
+    for i, kind in enumerate(spec.layer_types):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        sd[dst + "input_norm.weight"] = w.pop(src + "input_layernorm.weight")
+        sd[dst + "post_norm.weight"] = w.pop(src + "post_attention_layernorm.weight")
+        sd[dst + "mlp.gate_up.weight"] = torch.cat([w.pop(src + "mlp.gate_proj.weight"), w.pop(src + "mlp.up_proj.weight")])
+        sd[dst + "mlp.down.weight"] = w.pop(src + "mlp.down_proj.weight")
+        if kind == "full_attention":
+            a = src + "self_attn."
+            sd[dst + "mixer.qkv.weight"] = torch.cat([w.pop(a + "q_proj.weight"), w.pop(a + "k_proj.weight"), w.pop(a + "v_proj.weight")])
+            sd[dst + "mixer.o.weight"] = w.pop(a + "o_proj.weight")
+            sd[dst + "mixer.q_norm.weight"] = w.pop(a + "q_norm.weight")
+            sd[dst + "mixer.k_norm.weight"] = w.pop(a + "k_norm.weight")
+            for bias in ("q_proj.bias", "k_proj.bias", "v_proj.bias"):
+                if a + bias in w:
+                    raise ValueError("attention biases are not supported")
+        else:
+            a = src + "linear_attn."
+            sd[dst + "mixer.in_proj.weight"] = torch.cat([w.pop(a + "in_proj_qkv.weight"), w.pop(a + "in_proj_z.weight"),
+                                                          w.pop(a + "in_proj_b.weight"), w.pop(a + "in_proj_a.weight")])
+            sd[dst + "mixer.conv_weight"] = w.pop(a + "conv1d.weight").squeeze(1)   # [C, 1, W] -> [C, W]
+            sd[dst + "mixer.dt_bias"] = w.pop(a + "dt_bias")
+            sd[dst + "mixer.A_log"] = w.pop(a + "A_log")
+            sd[dst + "mixer.norm.weight"] = w.pop(a + "norm.weight")
+            sd[dst + "mixer.out_proj.weight"] = w.pop(a + "out_proj.weight")
+    if w:
+        raise ValueError(f"unexpected tensors in checkpoint: {sorted(w)[:5]}{' ...' if len(w) > 5 else ''}")
+    return sd
+
+
+def load_model(path: str, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    spec = ModelSpec.from_dir(path)
+    with torch.device("meta"):
+        model = CausalLM(spec)
+    sd = _remap(spec, _read_tensors(path))
+    # A_log / dt_bias / norms stay fp32: the decay exp(-exp(A_log)) is sensitive to rounding
+    keep_fp32 = ("A_log", "dt_bias", "conv_weight")
+    sd = {k: v.to(device=device, dtype=torch.float32 if k.endswith(keep_fp32) else dtype) for k, v in sd.items()}
+    model = model.to_empty(device=device)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.rotary.materialize(device)
+    model.eval()
+    return model

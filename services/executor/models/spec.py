@@ -1,0 +1,99 @@
+"""ModelSpec: the few numbers radixflow's model code needs, read from a Hugging Face config.json.
+
+Two families share one implementation: Qwen3 (`qwen3`: every layer full attention) and Qwen3.5
+text (`qwen3_5_text`, or the text part of `qwen3_5`: Gated DeltaNet layers with a gated
+full-attention layer every few layers, zero-centered RMSNorm, partial rotary embedding).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED = ("qwen3", "qwen3_5_text", "qwen3_5")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rotary_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    layer_types: tuple[str, ...]
+    attn_output_gate: bool        # Qwen3.5: q_proj also yields a sigmoid gate on the attention output
+    zero_centered_norm: bool      # Qwen3.5: RMSNorm scales by (1 + weight)
+    lin_num_k_heads: int = 0
+    lin_num_v_heads: int = 0
+    lin_k_dim: int = 0
+    lin_v_dim: int = 0
+    conv_kernel: int = 0
+    torch_dtype: str = "float32"
+
+    @property
+    def attn_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.linear_layers)
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.lin_num_k_heads * self.lin_k_dim + self.lin_num_v_heads * self.lin_v_dim
+
+    @classmethod
+    def from_dir(cls, path: str) -> "ModelSpec":
+        with open(os.path.join(path, "config.json")) as f:
+            return cls.from_config(json.load(f))
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> "ModelSpec":
+        mt = cfg.get("model_type")
+        if mt not in SUPPORTED:
+            raise ValueError(f"unsupported model_type {mt!r}; radixflow serves {', '.join(SUPPORTED)}")
+        if mt == "qwen3_5":
+            cfg = {**cfg["text_config"], "model_type": "qwen3_5_text"}
+            mt = "qwen3_5_text"
+        hybrid = mt == "qwen3_5_text"
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "mrope"):
+            raise ValueError(f"rope_type {rope_type!r} is not supported (only default rotary embeddings)")
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25 if hybrid else 1.0))
+        n = cfg["num_hidden_layers"]
+        layer_types = cfg.get("layer_types")
+        if hybrid and not layer_types:
+            every = cfg.get("full_attention_interval", 4)
+            layer_types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+        if not hybrid:
+            if cfg.get("use_sliding_window"):
+                raise ValueError("sliding-window attention is not supported")
+            layer_types = ["full_attention"] * n
+        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+        return cls(
+            model_type=mt, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=n, num_heads=cfg["num_attention_heads"],
+            num_kv_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]), head_dim=head_dim,
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rotary_dim=int(head_dim * partial), rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), layer_types=tuple(layer_types),
+            attn_output_gate=hybrid, zero_centered_norm=hybrid,
+            lin_num_k_heads=cfg.get("linear_num_key_heads", 0), lin_num_v_heads=cfg.get("linear_num_value_heads", 0),
+            lin_k_dim=cfg.get("linear_key_head_dim", 0), lin_v_dim=cfg.get("linear_value_head_dim", 0),
+            conv_kernel=cfg.get("linear_conv_kernel_dim", 0), torch_dtype=str(dtype))

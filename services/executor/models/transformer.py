@@ -1,0 +1,56 @@
+"""The causal LM: embedding, pre-norm decoder blocks (attention or Gated DeltaNet, then SwiGLU), norm, head."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ..forward_batch import ForwardBatch
+from .attention import Attention
+from .deltanet import GatedDeltaNet
+from .layers import MLP, RMSNorm, Rotary
+from .spec import ModelSpec
+
+if TYPE_CHECKING:
+    from ..memory import KVPool, StatePool
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, kind: str, rotary: Rotary):
+        super().__init__()
+        self.kind = kind
+        self.mixer = Attention(spec, rotary) if kind == "full_attention" else GatedDeltaNet(spec)
+        self.mlp = MLP(spec.hidden_size, spec.intermediate_size)
+        self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.zero_centered_norm)
+        self.post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.zero_centered_norm)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, mem_a: torch.Tensor, mem_b: torch.Tensor) -> torch.Tensor:
+        x = x + self.mixer(self.input_norm(x), batch, mem_a, mem_b)
+        return x + self.mlp(self.post_norm(x))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.rotary = Rotary(spec.rotary_dim, spec.rope_theta, spec.max_position_embeddings)
+        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, t, self.rotary) for t in spec.layer_types)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.zero_centered_norm)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        # per layer: its index into the KV pool (attention) or the state pool (DeltaNet)
+        self._mem_index = [spec.attn_layers.index(i) if t == "full_attention" else spec.linear_layers.index(i)
+                           for i, t in enumerate(spec.layer_types)]
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: "KVPool", state: "StatePool | None") -> torch.Tensor:
+        """Run one step; returns logits [M, V] for batch.logits_rows (fp32)."""
+        x = self.embed(batch.input_ids)                                     # [T, hidden]
+        for layer, j in zip(self.layers, self._mem_index):
+            if layer.kind == "full_attention":
+                x = layer(x, batch, kv.k[j], kv.v[j])
+            else:
+                x = layer(x, batch, state.recurrent[j], state.conv[j])
+        x = self.norm(x[batch.logits_rows])
+        return self.lm_head(x).float()

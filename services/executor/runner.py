@@ -1,0 +1,81 @@
+"""ModelRunner: owns the weights and device memory; turns a Plan into tensors, runs the model,
+samples. It makes no scheduling decisions."""
+from __future__ import annotations
+
+import torch
+
+from . import sampler
+from .batcher import Plan
+from .forward_batch import ForwardBatch
+from .memory import KVPool, MemoryPlan, StatePool
+from .models import CausalLM, ModelSpec, load_model
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(device: torch.device) -> torch.dtype:
+    # CPU kernels are fastest and exact in fp32; GPUs serve in bf16 like every engine does
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+class ModelRunner:
+    def __init__(self, model_path: str, *, device: str = "auto", page_size: int, num_pages: int,
+                 num_state_slots: int, state_dtype: torch.dtype = torch.float32):
+        self.device = pick_device(device)
+        self.dtype = pick_dtype(self.device)
+        self.spec = ModelSpec.from_dir(model_path)
+        self.model: CausalLM = load_model(model_path, self.device, self.dtype)
+        self.plan = MemoryPlan(page_size=page_size, num_pages=num_pages,
+                               num_state_slots=num_state_slots if self.spec.is_hybrid else 0,
+                               kv_dtype=self.dtype, state_dtype=state_dtype)
+        self.kv = KVPool(self.spec, self.plan, self.device)
+        self.state = StatePool(self.spec, self.plan, self.device) if self.spec.is_hybrid else None
+
+    def build(self, plan: Plan) -> tuple[ForwardBatch, list[int]]:
+        """Tensors for one step, and the indices (into plan.seqs) of sequences that get a token."""
+        ids, pos, out_slots, seq_slots, rows, want = [], [], [], [], [], []
+        row = 0
+        for i, (seq, ext) in enumerate(zip(plan.seqs, plan.extend_lens)):
+            start, end = seq.computed_len, seq.computed_len + ext
+            slots = self.kv.token_slots(seq.pages, end)
+            ids.extend(seq.tokens[start:end])
+            pos.append(torch.arange(start, end))
+            out_slots.append(slots[start:end])
+            seq_slots.append(slots)
+            row += ext
+            if end == len(seq.tokens):        # the prompt is complete: this step yields a token
+                rows.append(row - 1)
+                want.append(i)
+        dev = self.device
+        fb = ForwardBatch(
+            is_decode=plan.is_decode,
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.cat(pos).to(dev),
+            out_slots=torch.cat(out_slots).to(dev),
+            prefix_lens=[s.computed_len for s in plan.seqs],
+            extend_lens=list(plan.extend_lens),
+            seq_slots=[s.to(dev) for s in seq_slots],
+            state_slots=torch.tensor([s.state_slot for s in plan.seqs], dtype=torch.int64, device=dev),
+            logits_rows=torch.tensor(rows, dtype=torch.int64, device=dev))
+        if plan.is_decode:
+            fb.seq_lens = torch.tensor([len(s) for s in seq_slots], dtype=torch.int64, device=dev)
+            fb.slot_table = torch.nn.utils.rnn.pad_sequence(seq_slots, batch_first=True).to(dev)
+        return fb, want
+
+    def run(self, plan: Plan) -> dict[int, int]:
+        """Run one step; returns {index in plan.seqs: sampled token} for sequences that produce one."""
+        for seq in plan.seqs:
+            if seq.computed_len == 0 and self.state is not None:
+                self.state.reset(seq.state_slot)
+        fb, want = self.build(plan)
+        logits = self.model(fb, self.kv, self.state)
+        seqs = [plan.seqs[i] for i in want]
+        for s in seqs:
+            if s.generator is None and not sampler.is_greedy(s.sampling):
+                s.generator = sampler.make_generator(s.sampling.seed, self.device)
+        toks = sampler.sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        return dict(zip(want, toks))

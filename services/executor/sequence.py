@@ -1,0 +1,69 @@
+"""Sequence: one request's state inside an executor.
+
+Lengths, in the order they must keep (asserted in `check`):
+
+    0 <= cached_len <= computed_len <= len(tokens) <= max_model_len
+    cached_len    prompt tokens whose KV came from the cache (never computed here)
+    computed_len  tokens whose KV (and recurrent state) are in memory
+    tokens        prompt + generated so far; the last one is computed by the next decode step
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from radixflow.shared.messages import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    rid: str
+    tokens: list[int]
+    sampling: SamplingParams
+    eos_ids: frozenset[int]
+    namespace: str = "default"
+    output_subject: str = ""
+    prompt_len: int = 0
+    cached_len: int = 0
+    computed_len: int = 0
+    pages: list[int] = field(default_factory=list)
+    state_slot: int = -1
+    generator: torch.Generator | None = None
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    matched_stop: int | None = None
+    reported: int = 0            # output tokens already sent to the scheduler
+
+    def __post_init__(self) -> None:
+        self.prompt_len = self.prompt_len or len(self.tokens)
+        self.stop_ids = frozenset(self.sampling.stop_token_ids) | (frozenset() if self.sampling.ignore_eos else self.eos_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def max_len(self) -> int:
+        """Tokens this sequence can reach: prompt plus every token it may generate."""
+        return self.prompt_len + self.sampling.max_new_tokens
+
+    def check(self, max_model_len: int) -> None:
+        assert 0 <= self.cached_len <= self.computed_len <= len(self.tokens) <= max_model_len, (
+            self.rid, self.cached_len, self.computed_len, len(self.tokens), max_model_len)
+
+    def finish(self, reason: str, matched: int | None = None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.matched_stop = matched

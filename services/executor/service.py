@@ -1,0 +1,96 @@
+"""Executor service: a thin actor shell around Engine.
+
+The compute loop runs Engine.step in a dedicated thread so the event loop keeps serving heartbeats,
+intake and aborts during a long prefill. Each step's outputs go out as one StepOutput message per
+scheduler, never one message per token per request.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+
+from radixflow.shared import subjects
+from radixflow.shared.actor import Actor
+from radixflow.shared.bus import Bus
+from radixflow.shared.config import ExecutorConfig, ServiceConfig
+from radixflow.shared.messages import AbortRequest, ExecAccepted, ExecRequest, ExecutorInfo, SeqOutput, StepOutput
+
+from .engine import Engine, EngineConfig
+
+
+class ExecutorService(Actor):
+    service = "executor"
+
+    def __init__(self, bus: Bus, config: ExecutorConfig, service_config: ServiceConfig | None = None):
+        super().__init__(bus, service_config, instance=config.instance or None)
+        self.cfg = config
+        self.engine: Engine | None = None
+        self._wake = asyncio.Event()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="executor-compute")
+        self.model_name = config.served_model_name or os.path.basename(os.path.normpath(config.model))
+        self.route(subjects.executor_submit(self.instance), ExecRequest, self.submit)
+        self.route(subjects.executor_abort(self.instance), AbortRequest, self.abort)
+
+    async def on_start(self) -> None:
+        cfg = self.cfg
+        if cfg.num_threads:
+            import torch
+            torch.set_num_threads(cfg.num_threads)
+        ecfg = EngineConfig(model=cfg.model, device=cfg.device, page_size=cfg.page_size,
+                            max_total_tokens=cfg.max_total_tokens, max_model_len=cfg.max_model_len,
+                            max_running_requests=cfg.max_running_requests, max_prefill_tokens=cfg.max_prefill_tokens)
+        loop = asyncio.get_running_loop()
+        self.engine = await loop.run_in_executor(self._thread, Engine, ecfg)
+        self.spawn("compute", self._compute_loop)
+        self.log.info("model loaded", model=cfg.model, device=str(self.engine.runner.device),
+                      max_model_len=self.engine.max_model_len)
+
+    async def on_drain(self) -> None:
+        while self.engine is not None and self.engine.has_work():
+            await asyncio.sleep(0.02)
+
+    async def on_stop(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+    async def submit(self, req: ExecRequest) -> ExecAccepted:
+        self.engine.add(req)
+        self._wake.set()
+        return ExecAccepted(rid=req.rid)
+
+    async def abort(self, req: AbortRequest) -> None:
+        self.engine.abort(req.rids)
+        self._wake.set()
+
+    async def _compute_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.engine.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            outs = await loop.run_in_executor(self._thread, self.engine.step)
+            if outs:
+                await self._publish(outs)
+
+    async def _publish(self, outs: list[tuple[str, SeqOutput]]) -> None:
+        by_subject: dict[str, list[SeqOutput]] = defaultdict(list)
+        for subject, o in outs:
+            by_subject[subject].append(o)
+        for subject, items in by_subject.items():
+            if subject:
+                await self.bus.publish(subject, StepOutput(executor=self.instance, step=self.engine.steps, outputs=items))
+
+    def info(self) -> ExecutorInfo:
+        e = self.engine
+        return ExecutorInfo(model=self.model_name, max_model_len=e.max_model_len if e else 0,
+                            vocab_size=e.spec.vocab_size if e else 0, running=e.num_running if e else 0,
+                            waiting=e.num_waiting if e else 0)
+
+    def heartbeat_detail(self) -> dict:
+        import msgspec
+        return msgspec.to_builtins(self.info())
+
+    def status(self) -> dict:
+        return self.heartbeat_detail() | {"steps": self.engine.steps if self.engine else 0}

@@ -1,0 +1,120 @@
+"""EngineClient: how the gateway talks to the engine over the bus.
+
+One call = subscribe a stream inbox, submit to the scheduler (accept or reject fast), then read the
+stream until its terminal item. It also watches scheduler heartbeats: if the scheduler that owns a
+request goes silent, the request fails fast with 503 instead of hanging.
+"""
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+
+from radixflow.shared import subjects
+from radixflow.shared.bus import Bus, InboxStream
+from radixflow.shared.errors import RadixflowError, ServiceUnavailable, from_reply
+from radixflow.shared.messages import (AbortRequest, Accepted, ErrorReply, ExecutorInfo, GenerateRequest, Heartbeat,
+                                       StreamChunk, StreamError)
+
+
+@dataclass
+class Result:
+    """A finished generation, accumulated from its stream."""
+    rid: str
+    prompt_tokens: int = 0
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    cached_tokens: int = 0
+
+
+class EngineClient:
+    def __init__(self, bus: Bus, scheduler_timeout_s: float, request_timeout_s: float = 960.0):
+        self.bus = bus
+        self.scheduler_timeout_s = scheduler_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self._schedulers: dict[str, float] = {}           # instance -> last heartbeat (monotonic)
+        self._executors: dict[str, tuple[float, ExecutorInfo]] = {}
+        self._streams: dict[str, tuple[str, InboxStream]] = {}   # rid -> (scheduler, stream)
+
+    async def on_heartbeat(self, hb: Heartbeat) -> None:
+        now = time.monotonic()
+        if hb.service == "scheduler":
+            self._schedulers[hb.instance] = now
+        elif hb.service == "executor":
+            try:
+                self._executors[hb.instance] = (now, msgspec.convert(hb.detail, ExecutorInfo))
+            except msgspec.ValidationError:
+                pass
+
+    def models(self) -> list[ExecutorInfo]:
+        now = time.monotonic()
+        seen: dict[str, ExecutorInfo] = {}
+        for t, info in self._executors.values():
+            if now - t <= self.scheduler_timeout_s and info.max_model_len > 0:
+                seen.setdefault(info.model, info)
+        return list(seen.values())
+
+    async def watch(self) -> None:
+        """Fail the streams of a scheduler that stopped beating."""
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            for rid, (sched, stream) in list(self._streams.items()):
+                last = self._schedulers.get(sched)
+                if last is not None and now - last > self.scheduler_timeout_s:
+                    stream.fail(ServiceUnavailable(f"scheduler {sched} stopped responding; request {rid} was lost"))
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[Accepted | StreamChunk]:
+        """Yield Accepted, then every StreamChunk; a StreamError raises its typed error.
+        Leaving early (client gone) aborts the request."""
+        done = False
+        async with self.bus.open_stream(idle_timeout_s=self.request_timeout_s) as stream:
+            req.stream_subject = stream.subject
+            acc = await self.bus.request(subjects.SCHEDULER_SUBMIT, req, Accepted, timeout=60)
+            self._streams[req.rid] = (acc.scheduler, stream)
+            self._schedulers.setdefault(acc.scheduler, time.monotonic())
+            try:
+                yield acc
+                async for item in stream:
+                    if isinstance(item, StreamError):
+                        done = True
+                        raise from_reply(ErrorReply(code=item.code, kind=item.kind, message=item.message))
+                    done = item.finished
+                    yield item
+            finally:
+                self._streams.pop(req.rid, None)
+                if not done:
+                    await self._abort(req.rid)
+
+    async def _abort(self, rid: str) -> None:
+        try:
+            await self.bus.publish(subjects.SCHEDULER_ABORT, AbortRequest(rids=[rid]))
+        except RadixflowError:
+            pass
+
+    async def complete(self, req: GenerateRequest) -> Result:
+        res = Result(rid=req.rid)
+        gen = self.generate(req)
+        try:
+            async for item in gen:
+                if isinstance(item, Accepted):
+                    res.prompt_tokens = item.prompt_tokens
+                    continue
+                res.text += item.text
+                res.output_ids.extend(item.token_ids)
+                if item.finished:
+                    res.finish_reason, res.matched_stop = item.finish_reason, item.matched_stop
+                    res.cached_tokens = item.usage.cached_tokens if item.usage else 0
+        finally:
+            await gen.aclose()
+        return res
+
+
+def new_rid() -> str:
+    return secrets.token_hex(16)

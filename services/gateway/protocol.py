@@ -1,0 +1,166 @@
+"""HTTP request bodies (SGLang-native and OpenAI), decoded strictly with msgspec, and their
+translation into the bus's GenerateRequest. A wrong type or an unknown field is a 400 naming it."""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from radixflow.shared.errors import BadRequest
+from radixflow.shared.messages import ChatMessage, SamplingParams
+
+
+class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class NativeSampling(_Body):
+    """SGLang's sampling_params (the subset radixflow serves)."""
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    sampling_seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+class GenerateBody(_Body):
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: NativeSampling = msgspec.field(default_factory=NativeSampling)
+    stream: bool = False
+    rid: str | None = None
+    cache_salt: str | None = None
+    return_logprob: bool = False
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _OpenAIBase(_Body):
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extensions accepted by vLLM and SGLang
+    top_k: int = -1
+    min_p: float = 0.0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    cache_salt: str | None = None
+
+
+class CompletionBody(_OpenAIBase):
+    prompt: str | list[int]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageBody(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatBody(_OpenAIBase):
+    messages: list[ChatMessageBody]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+def decode_body(raw: bytes, typ: type) -> Any:
+    if not raw.strip():
+        raise BadRequest("the request body is empty; a JSON object is required")
+    try:
+        return msgspec.json.decode(raw, type=typ)
+    except msgspec.ValidationError as e:
+        raise BadRequest(f"invalid request: {e}") from None
+    except msgspec.DecodeError as e:
+        raise BadRequest(f"the request body is not valid JSON: {e}") from None
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+
+
+def _unsupported(cond: bool, what: str, param: str) -> None:
+    if cond:
+        raise BadRequest(f"{what} is not supported", param=param)
+
+
+def native_sampling(s: NativeSampling) -> SamplingParams:
+    _unsupported(s.n != 1, "n other than 1", "n")
+    _unsupported(s.frequency_penalty != 0 or s.presence_penalty != 0 or s.repetition_penalty != 1,
+                 "frequency/presence/repetition penalties", "frequency_penalty")
+    return SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                          min_p=s.min_p, seed=s.seed if s.seed is not None else s.sampling_seed, stop=_stops(s.stop),
+                          stop_token_ids=s.stop_token_ids or [], ignore_eos=s.ignore_eos,
+                          skip_special_tokens=s.skip_special_tokens)
+
+
+def openai_sampling(b: _OpenAIBase, max_tokens: int | None, default_max: int) -> SamplingParams:
+    _unsupported(b.n != 1, "n other than 1", "n")
+    _unsupported(b.presence_penalty != 0 or b.frequency_penalty != 0, "presence/frequency penalties", "presence_penalty")
+    _unsupported(bool(b.logit_bias), "logit_bias", "logit_bias")
+    return SamplingParams(max_new_tokens=default_max if max_tokens is None else max_tokens, temperature=b.temperature,
+                          top_p=b.top_p, top_k=b.top_k, min_p=b.min_p, seed=b.seed, stop=_stops(b.stop),
+                          stop_token_ids=b.stop_token_ids or [], ignore_eos=b.ignore_eos,
+                          skip_special_tokens=b.skip_special_tokens)
+
+
+def completion_checks(b: CompletionBody) -> None:
+    _unsupported(b.echo, "echo", "echo")
+    _unsupported(b.logprobs is not None, "logprobs", "logprobs")
+    _unsupported(b.best_of not in (None, 1), "best_of", "best_of")
+    _unsupported(b.suffix is not None, "suffix", "suffix")
+
+
+def chat_messages(b: ChatBody) -> list[ChatMessage]:
+    _unsupported(b.logprobs, "logprobs", "logprobs")
+    if not b.messages:
+        raise BadRequest("messages must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(b.messages):
+        if m.role not in ("system", "user", "assistant", "tool", "developer"):
+            raise BadRequest(f"messages[{i}].role {m.role!r} is not one of system, user, assistant, tool, developer",
+                             param="messages")
+        if isinstance(m.content, list):
+            parts = []
+            for p in m.content:
+                if p.type != "text" or p.text is None:
+                    raise BadRequest(f"messages[{i}]: only text content parts are supported", param="messages")
+                parts.append(p.text)
+            content = "".join(parts)
+        else:
+            content = m.content or ""
+        out.append(ChatMessage(role="system" if m.role == "developer" else m.role, content=content))
+    return out

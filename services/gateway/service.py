@@ -1,0 +1,65 @@
+"""Gateway service: the HTTP server (app.py) as an actor with the usual lifecycle.
+drain() refuses new HTTP requests with 503 and waits for the in-flight ones to finish."""
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from radixflow.shared import subjects
+from radixflow.shared.actor import Actor
+from radixflow.shared.bus import Bus
+from radixflow.shared.config import GatewayConfig, ServiceConfig
+from radixflow.shared.messages import Heartbeat
+
+from .app import DRAINING, make_app
+from .client import EngineClient
+
+
+class GatewayService(Actor):
+    service = "gateway"
+
+    def __init__(self, bus: Bus, config: GatewayConfig, service_config: ServiceConfig | None = None,
+                 request_timeout_s: float = 960.0):
+        super().__init__(bus, service_config)
+        self.cfg = config
+        self.client = EngineClient(bus, config.scheduler_timeout_s, request_timeout_s)
+        self.app = make_app(bus, self.client, config)
+        self._runner: web.AppRunner | None = None
+        self._inflight = 0
+        self.port = config.port
+        self.route(subjects.heartbeat("scheduler"), Heartbeat, self.client.on_heartbeat)
+        self.route(subjects.heartbeat("executor"), Heartbeat, self.client.on_heartbeat)
+
+        @web.middleware
+        async def count(request, handler):
+            self._inflight += 1
+            try:
+                return await handler(request)
+            finally:
+                self._inflight -= 1
+        self.app.middlewares.insert(0, count)
+
+    async def on_start(self) -> None:
+        self.spawn("watch", self.client.watch)
+        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        self.log.info("http listening", host=self.cfg.host, port=self.port)
+
+    async def drain(self, timeout_s: float | None = None) -> None:
+        # HTTP first, while heartbeats still flow (the stream watchdog needs them), then the bus
+        self.app[DRAINING].set()
+        deadline = asyncio.get_running_loop().time() + (timeout_s or self.config.drain_timeout_s)
+        while self._inflight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        await super().drain(timeout_s)
+
+    async def on_stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def status(self) -> dict:
+        return {"port": self.port, "inflight_http": self._inflight}

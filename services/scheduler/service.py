@@ -1,0 +1,221 @@
+"""Scheduler service: request lifecycle, and the guarantee that every accepted request gets exactly
+one terminal event on its stream (a finished chunk or a StreamError), whatever else fails.
+
+    submit:  validate -> tokenize -> pick executor -> track -> ExecRequest -> Accepted
+    output:  StepOutput (one per executor step) -> one batched detokenize -> stop strings -> chunks
+    watch:   an executor without heartbeat is dead: its requests end in 503; a request past its
+             deadline ends in 504 (and is aborted on its executor)
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import msgspec
+
+from radixflow.shared import subjects
+from radixflow.shared.actor import Actor
+from radixflow.shared.bus import Bus
+from radixflow.shared.config import SchedulerConfig, ServiceConfig
+from radixflow.shared.errors import BadRequest, Overloaded, RadixflowError, ServiceUnavailable
+from radixflow.shared.messages import (AbortRequest, Accepted, DetokenizeReply, DetokenizeRequest, DetokItem,
+                                       EncodeReply, EncodeRequest, ExecAccepted, ExecRequest, ExecutorInfo,
+                                       GenerateRequest, Heartbeat, StatusReply, StatusRequest, StepOutput,
+                                       StreamChunk, StreamError, TokenizerInfo, Usage)
+from radixflow.shared.validate import check_request
+
+from .table import RequestTable, Tracked
+
+
+@dataclass
+class ExecutorState:
+    instance: str
+    last_seen: float
+    info: ExecutorInfo
+    inflight: int = 0
+
+
+class SchedulerService(Actor):
+    service = "scheduler"
+
+    def __init__(self, bus: Bus, config: SchedulerConfig, service_config: ServiceConfig | None = None):
+        super().__init__(bus, service_config, instance=config.instance or None)
+        self.cfg = config
+        self.table = RequestTable()
+        self.executors: dict[str, ExecutorState] = {}
+        self._eos: list[int] | None = None
+        self.output_subject = subjects.scheduler_output(self.instance)
+        self.route(subjects.SCHEDULER_SUBMIT, GenerateRequest, self.submit, queue="scheduler")
+        self.route(subjects.SCHEDULER_ABORT, AbortRequest, self.abort)
+        self.route(subjects.heartbeat("executor"), Heartbeat, self.on_executor_heartbeat)
+        self.route(self.output_subject, StepOutput, self.on_output, ordered=True)
+
+    async def on_start(self) -> None:
+        self.spawn("watchdog", self._watchdog)
+
+    async def on_drain(self) -> None:
+        while len(self.table):
+            await asyncio.sleep(0.02)
+
+    def status(self) -> dict:
+        return {"inflight": len(self.table),
+                "executors": {k: msgspec.to_builtins(v.info) for k, v in self.executors.items()}}
+
+    # ------------------------------------------------------------ executors
+
+    async def on_executor_heartbeat(self, hb: Heartbeat) -> None:
+        try:
+            info = msgspec.convert(hb.detail, ExecutorInfo)
+        except msgspec.ValidationError:
+            return
+        st = self.executors.get(hb.instance)
+        if st is None:
+            self.executors[hb.instance] = ExecutorState(hb.instance, time.monotonic(), info)
+            self.log.info("executor joined", executor=hb.instance, model=info.model)
+        else:
+            st.last_seen, st.info = time.monotonic(), info
+
+    def pick_executor(self) -> ExecutorState:
+        live = [e for e in self.executors.values() if e.info.max_model_len > 0]
+        if not live:
+            raise ServiceUnavailable("no executor is available")
+        return min(live, key=lambda e: (e.inflight, e.info.running + e.info.waiting))
+
+    # ------------------------------------------------------------ intake
+
+    async def _eos_ids(self) -> list[int]:
+        if self._eos is None:
+            info = await self.bus.request(subjects.TOKENIZER_INFO, StatusRequest(), TokenizerInfo, timeout=10)
+            self._eos = list(info.eos_token_ids)
+        return self._eos
+
+    async def submit(self, req: GenerateRequest) -> Accepted:
+        check_request(req)
+        if len(self.table) >= self.cfg.max_queued_requests:
+            raise Overloaded(f"{len(self.table)} requests in flight; try again later")
+        if req.rid in self.table:
+            raise BadRequest(f"request id {req.rid!r} is already in flight", param="rid")
+        ex = self.pick_executor()   # fail fast before tokenizing when nothing can run it
+        if req.input_ids is not None:
+            ids = req.input_ids
+        else:
+            enc = await self.bus.request(subjects.TOKENIZER_ENCODE, EncodeRequest(text=req.text, messages=req.messages),
+                                         EncodeReply, timeout=30)
+            ids = enc.input_ids
+            if not ids:
+                raise BadRequest("the prompt tokenizes to nothing", param="text")
+        limit = ex.info.max_model_len
+        if len(ids) + req.sampling.max_new_tokens > limit:
+            raise BadRequest(f"prompt ({len(ids)} tokens) plus max_new_tokens ({req.sampling.max_new_tokens}) "
+                             f"exceeds the model's context length of {limit} tokens", param="max_new_tokens")
+        if any(t >= ex.info.vocab_size for t in ids):
+            raise BadRequest(f"input_ids must be < vocab size {ex.info.vocab_size}", param="input_ids")
+        namespace = req.tenant + (f"/{req.cache_salt}" if req.cache_salt else "")
+        t = Tracked(rid=req.rid, stream_subject=req.stream_subject, executor=ex.instance, prompt_tokens=len(ids),
+                    sampling=req.sampling, deadline=time.monotonic() + self.cfg.request_timeout_s)
+        self.table.add(t)    # before dispatch: an output may arrive before the executor's reply does
+        ex.inflight += 1
+        try:
+            await self.bus.request(subjects.executor_submit(ex.instance), ExecRequest(
+                rid=req.rid, input_ids=ids, sampling=req.sampling, eos_token_ids=await self._eos_ids(),
+                namespace=namespace, output_subject=self.output_subject), ExecAccepted, timeout=10)
+        except RadixflowError:
+            self.table.finish(req.rid)     # not accepted: the client gets the error as the reply instead
+            ex.inflight -= 1
+            raise
+        return Accepted(rid=req.rid, prompt_tokens=len(ids), executor=ex.instance, scheduler=self.instance)
+
+    async def abort(self, req: AbortRequest) -> None:
+        by_exec: dict[str, list[str]] = {}
+        for rid in req.rids:
+            t = self.table.get(rid)
+            if t is not None:
+                by_exec.setdefault(t.executor, []).append(rid)
+        for ex, rids in by_exec.items():
+            await self.bus.publish(subjects.executor_abort(ex), AbortRequest(rids=rids))
+
+    # ------------------------------------------------------------ output
+
+    async def on_output(self, step: StepOutput) -> None:
+        live = [(t, o) for o in step.outputs if (t := self.table.get(o.rid)) is not None and not t.stopping]
+        if not live:
+            return
+        for t, o in live:
+            t.output_ids.extend(o.token_ids)
+            t.cached_tokens = o.cached_tokens
+        try:
+            reply = await self.bus.request(subjects.TOKENIZER_DETOKENIZE, DetokenizeRequest(items=[
+                DetokItem(ids=t.output_ids[t.prefix_offset:], prefix_offset=t.prefix_offset, read_offset=t.read_offset,
+                          skip_special_tokens=t.sampling.skip_special_tokens, flush=o.finished) for t, o in live]),
+                DetokenizeReply, timeout=10)
+        except RadixflowError as e:
+            for t, _ in live:
+                await self._fail(t, e.code, e.kind, f"detokenization failed: {e.message}", abort=True)
+            return
+        stopped: dict[str, list[str]] = {}
+        for (t, o), d in zip(live, reply.items):
+            t.prefix_offset, t.read_offset = d.prefix_offset, d.read_offset
+            text, hit = t.stops.feed(d.text, final=o.finished)
+            if o.error:
+                await self._fail(t, 500, "internal_error", o.error)
+            elif hit is not None:
+                t.stopping = True
+                await self._end(t, text, o.token_ids, "stop", hit)
+                if not o.finished:
+                    stopped.setdefault(t.executor, []).append(t.rid)
+            elif o.finished:
+                await self._end(t, text, o.token_ids, o.finish_reason or "stop", o.matched_stop)
+            else:
+                await self._send(t, StreamChunk(rid=t.rid, seq=t.take_seq(), text=text, token_ids=o.token_ids))
+        for ex, rids in stopped.items():
+            await self.bus.publish(subjects.executor_abort(ex), AbortRequest(rids=rids))
+
+    async def _send(self, t: Tracked, item: StreamChunk | StreamError) -> None:
+        try:
+            await self.bus.publish(t.stream_subject, item)
+        except RadixflowError as e:   # oversize chunk: the client must still get a terminal event
+            self.log.error("stream item not sent", rid=t.rid, error=e.message)
+
+    async def _end(self, t: Tracked, text: str, ids: list[int], reason: str, matched) -> None:
+        if self.table.finish(t.rid) is None:
+            return
+        self._release(t)
+        await self._send(t, StreamChunk(rid=t.rid, seq=t.take_seq(), text=text, token_ids=ids, finished=True,
+                                        finish_reason=reason, matched_stop=matched, usage=Usage(
+                                            prompt_tokens=t.prompt_tokens, completion_tokens=len(t.output_ids),
+                                            cached_tokens=t.cached_tokens)))
+
+    async def _fail(self, t: Tracked, code: int, kind: str, message: str, abort: bool = False) -> None:
+        if self.table.finish(t.rid) is None:
+            return
+        self._release(t)
+        await self._send(t, StreamError(rid=t.rid, seq=t.take_seq(), code=code, kind=kind, message=message))
+        if abort:
+            try:
+                await self.bus.publish(subjects.executor_abort(t.executor), AbortRequest(rids=[t.rid]))
+            except RadixflowError:
+                pass
+
+    def _release(self, t: Tracked) -> None:
+        ex = self.executors.get(t.executor)
+        if ex is not None:
+            ex.inflight = max(0, ex.inflight - 1)
+
+    # ------------------------------------------------------------ watchdog
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            for inst, st in list(self.executors.items()):
+                if now - st.last_seen > self.cfg.executor_timeout_s:
+                    del self.executors[inst]
+                    lost = self.table.on_executor(inst)
+                    self.log.error("executor stopped responding", executor=inst, requests=len(lost))
+                    for t in lost:
+                        await self._fail(t, 503, "service_unavailable",
+                                         f"executor {inst} stopped responding; the request was lost")
+            for t in self.table.expired(now):
+                await self._fail(t, 504, "timeout", f"request did not finish within {self.cfg.request_timeout_s:g}s",
+                                 abort=True)

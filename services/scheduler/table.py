@@ -1,0 +1,61 @@
+"""RequestTable: every accepted, unfinished request, and the rule that each gets exactly one
+terminal event: `finish` removes the entry, so whatever arrives for it later is ignored."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from radixflow.shared.messages import SamplingParams
+
+from .stops import StopMatcher
+
+
+@dataclass(eq=False)
+class Tracked:
+    rid: str
+    stream_subject: str
+    executor: str
+    prompt_tokens: int
+    sampling: SamplingParams
+    deadline: float
+    output_ids: list[int] = field(default_factory=list)
+    prefix_offset: int = 0        # incremental detokenization state (see tokenizer.detokenize_incremental)
+    read_offset: int = 0
+    next_seq: int = 0             # sequence number of the next stream item
+    cached_tokens: int = 0
+    stopping: bool = False        # a stop string matched; the terminal chunk has been sent
+
+    def __post_init__(self) -> None:
+        self.stops = StopMatcher(self.sampling.stop)
+
+    def take_seq(self) -> int:
+        self.next_seq += 1
+        return self.next_seq - 1
+
+
+class RequestTable:
+    def __init__(self) -> None:
+        self._live: dict[str, Tracked] = {}
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._live
+
+    def add(self, t: Tracked) -> None:
+        if t.rid in self._live:
+            raise KeyError(f"request id {t.rid!r} is already in flight")
+        self._live[t.rid] = t
+
+    def get(self, rid: str) -> Tracked | None:
+        return self._live.get(rid)
+
+    def finish(self, rid: str) -> Tracked | None:
+        """Remove and return the request; None if it already ended (its terminal event was sent)."""
+        return self._live.pop(rid, None)
+
+    def on_executor(self, executor: str) -> list[Tracked]:
+        return [t for t in self._live.values() if t.executor == executor]
+
+    def expired(self, now: float) -> list[Tracked]:
+        return [t for t in self._live.values() if now > t.deadline]

@@ -1,0 +1,46 @@
+"""Semantic checks of a request, shared by the gateway (HTTP) and the scheduler (NATS clients)."""
+from __future__ import annotations
+
+import math
+
+from .errors import BadRequest
+from .messages import GenerateRequest, SamplingParams
+
+MAX_STOPS = 16
+MAX_STOP_LEN = 256
+
+
+def check_sampling(p: SamplingParams) -> None:
+    if p.max_new_tokens < 1:
+        raise BadRequest(f"max_new_tokens must be at least 1, got {p.max_new_tokens}", param="max_new_tokens")
+    if not math.isfinite(p.temperature) or p.temperature < 0:
+        raise BadRequest(f"temperature must be a finite number >= 0, got {p.temperature}", param="temperature")
+    if not (0.0 < p.top_p <= 1.0):
+        raise BadRequest(f"top_p must be in (0, 1], got {p.top_p}", param="top_p")
+    if p.top_k < -1:
+        raise BadRequest(f"top_k must be -1 (disabled) or >= 0, got {p.top_k}", param="top_k")
+    if not (0.0 <= p.min_p <= 1.0):
+        raise BadRequest(f"min_p must be in [0, 1], got {p.min_p}", param="min_p")
+    if len(p.stop) > MAX_STOPS:
+        raise BadRequest(f"at most {MAX_STOPS} stop strings, got {len(p.stop)}", param="stop")
+    for s in p.stop:
+        if not s or len(s) > MAX_STOP_LEN:
+            raise BadRequest(f"stop strings must be 1..{MAX_STOP_LEN} characters", param="stop")
+    if any(t < 0 for t in p.stop_token_ids):
+        raise BadRequest("stop_token_ids must be non-negative", param="stop_token_ids")
+
+
+def check_request(r: GenerateRequest) -> None:
+    given = [n for n, v in (("text", r.text), ("messages", r.messages), ("input_ids", r.input_ids)) if v is not None]
+    if len(given) != 1:
+        raise BadRequest("exactly one of text, messages or input_ids is required" if not given
+                         else f"only one of text, messages or input_ids may be given, got {', '.join(given)}")
+    if r.text is not None and not r.text:
+        raise BadRequest("the prompt is empty", param="text")
+    if r.input_ids is not None and not r.input_ids:
+        raise BadRequest("input_ids is empty", param="input_ids")
+    if r.input_ids is not None and any(t < 0 for t in r.input_ids):
+        raise BadRequest("input_ids must be non-negative token ids", param="input_ids")
+    if r.messages is not None and not r.messages:
+        raise BadRequest("messages is empty", param="messages")
+    check_sampling(r.sampling)
