@@ -247,16 +247,20 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 only when every service answers its status request and an executor is serving a model
+    (known to both the scheduler and this gateway, so a request sent now can run)."""
     bus, cfg = request.app[BUS], request.app[CONFIG]
 
-    async def ask(service: str) -> bool:
+    async def ask(service: str) -> StatusReply | None:
         try:
-            await bus.request(subjects.status(service), StatusRequest(), StatusReply, timeout=cfg.health_timeout_s)
-            return True
+            return await bus.request(subjects.status(service), StatusRequest(), StatusReply, timeout=cfg.health_timeout_s)
         except RadixflowError:
-            return False
+            return None
     names = [s for s in subjects.SERVICES if s != "gateway"]
-    ok = dict(zip(names, await asyncio.gather(*(ask(s) for s in names))))
+    replies = dict(zip(names, await asyncio.gather(*(ask(s) for s in names))))
+    ok = {n: r is not None for n, r in replies.items()}
+    ok["scheduler"] = ok["scheduler"] and bool(replies["scheduler"].detail.get("executors"))
+    ok["executor"] = ok["executor"] and bool(request.app[CLIENT].models())
     ok["gateway"] = not request.app[DRAINING].is_set()
     healthy = all(ok.values())
     return web.json_response({"status": "ok" if healthy else "unavailable", "services": ok}, status=200 if healthy else 503)

@@ -14,7 +14,7 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pass
 
 
-class NativeSampling(_Body):
+class NativeSampling(_Body, kw_only=True):
     """SGLang's sampling_params (the subset radixflow serves)."""
     max_new_tokens: int = 128
     temperature: float = 1.0
@@ -33,7 +33,7 @@ class NativeSampling(_Body):
     repetition_penalty: float = 1.0
 
 
-class GenerateBody(_Body):
+class GenerateBody(_Body, kw_only=True):
     text: str | None = None
     input_ids: list[int] | None = None
     sampling_params: NativeSampling = msgspec.field(default_factory=NativeSampling)
@@ -43,12 +43,12 @@ class GenerateBody(_Body):
     return_logprob: bool = False
 
 
-class StreamOptions(_Body):
+class StreamOptions(_Body, kw_only=True):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _OpenAIBase(_Body):
+class _OpenAIBase(_Body, kw_only=True):
     model: str
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -71,7 +71,7 @@ class _OpenAIBase(_Body):
     cache_salt: str | None = None
 
 
-class CompletionBody(_OpenAIBase):
+class CompletionBody(_OpenAIBase, kw_only=True):
     prompt: str | list[int]
     echo: bool = False
     logprobs: int | None = None
@@ -79,18 +79,18 @@ class CompletionBody(_OpenAIBase):
     suffix: str | None = None
 
 
-class ContentPart(_Body):
+class ContentPart(_Body, kw_only=True):
     type: str
     text: str | None = None
 
 
-class ChatMessageBody(_Body):
+class ChatMessageBody(_Body, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
-class ChatBody(_OpenAIBase):
+class ChatBody(_OpenAIBase, kw_only=True):
     messages: list[ChatMessageBody]
     max_completion_tokens: int | None = None
     logprobs: bool = False

@@ -1,0 +1,197 @@
+"""Write a tiny, seeded, random-weight checkpoint in Hugging Face layout.
+
+These models exist to test that the runtime's caches are exact, so the initialisation is chosen for two
+properties rather than for trainability (measured with transformers 5.24 on CPU, fp32, seed 0, five random
+256-token prompts; tests/test_modelgen.py keeps checking them):
+
+* Confident logits. The final RMSNorm hands the LM head unit-RMS activations, so an LM head with std
+  LOGIT_STD / sqrt(hidden) gives logits of std ~LOGIT_STD whatever the depth. Measured std at the last
+  position: tiny-dense 3.98-4.05, tiny-hybrid 3.96-4.03. The top-1 minus top-2 gap is then roughly
+  exponential with mean ~1, so fp32 noise (~1e-5) essentially never flips a greedy choice; bf16 noise
+  (~1e-2) will, about once per hundred steps.
+* Long memory. Swapping the token 200 positions before the end of a 256-token prompt changes the last
+  position's logits by max |diff| 0.27-0.48 (dense) / 0.61-1.02 (hybrid), relative L2 1.9-2.9% /
+  4.1-5.9%, against float noise of ~1e-6, so a cache that drops or misplaces distant context is caught.
+  The hybrid figure depends on the Gated DeltaNet decays: per-token decay is exp(-A * softplus(a +
+  dt_bias)); with dt_bias 0 and A log-stratified over [1e-3, 0.5] each layer has heads remembering
+  ~1400 tokens down to ~3. The training default (A up to 16, dt_bias 1) forgets within a few tokens, and
+  even A ~ U(0.01, 0.5) gave only 0.06-0.19 max |diff| (0.4-1% relative).
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from importlib import resources
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .presets import ENDOFTEXT_ID, GENERATION_EOS_IDS, Preset, get_preset, hf_config
+from .train_tokenizer import SPECIAL_TOKENS
+
+LOGIT_STD = 4.0
+EMBED_STD = 1.0
+# Gated DeltaNet decay rates A: per-token decay is exp(-A * softplus(a + dt_bias)) with softplus ~0.7 here,
+# so A in [1e-3, 0.5] spans memories of ~1400 down to ~3 tokens.
+A_RANGE = (1e-3, 0.5)
+
+# One line per message so that a prompt's token ids are a pure concatenation of per-message pieces,
+# which is what makes multi-turn prefixes shareable in the radix cache. Content given as OpenAI-style
+# parts is flattened to its text parts.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['content'] is string -%}{%- set content = message['content'] -%}"
+    "{%- else -%}{%- set content = message['content'] | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join('') -%}{%- endif -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def tokenizer_asset() -> Path:
+    return Path(str(resources.files("radixflow.services.modelgen").joinpath("assets/tokenizer.json")))
+
+
+def _param_specs(p: Preset) -> list[tuple[str, tuple[int, ...], str, float]]:
+    """(name, shape, init kind, scale) in a fixed order: the generator draws in this order, so it is part
+    of the checkpoint's identity and must only ever be appended to."""
+    h, hd = p.hidden_size, p.head_dim
+    nq, nkv = p.num_attention_heads, p.num_key_value_heads
+    # Qwen3.5 norms compute x * (1 + w); Qwen3 norms compute x * w. Identity is zeros vs ones.
+    norm_kind = "zeros" if p.is_hybrid else "ones"
+
+    def lin(name: str, out_f: int, in_f: int) -> tuple[str, tuple[int, ...], str, float]:
+        return (name, (out_f, in_f), "normal", 1.0 / math.sqrt(in_f))
+
+    specs: list[tuple[str, tuple[int, ...], str, float]] = [
+        ("model.embed_tokens.weight", (p.vocab_size, h), "normal", EMBED_STD)
+    ]
+    for i, kind in enumerate(p.layer_types):
+        pre = f"model.layers.{i}."
+        if kind == "full_attention":
+            # Qwen3.5 attention projects a per-head output gate alongside the query.
+            q_out = nq * hd * (2 if p.is_hybrid else 1)
+            specs += [
+                lin(pre + "self_attn.q_proj.weight", q_out, h),
+                lin(pre + "self_attn.k_proj.weight", nkv * hd, h),
+                lin(pre + "self_attn.v_proj.weight", nkv * hd, h),
+                lin(pre + "self_attn.o_proj.weight", h, nq * hd),
+                (pre + "self_attn.q_norm.weight", (hd,), norm_kind, 0.0),
+                (pre + "self_attn.k_norm.weight", (hd,), norm_kind, 0.0),
+            ]
+        else:
+            key_dim = p.linear_num_key_heads * p.linear_key_head_dim
+            value_dim = p.linear_num_value_heads * p.linear_value_head_dim
+            conv_dim = 2 * key_dim + value_dim
+            k = p.linear_conv_kernel_dim
+            nv = p.linear_num_value_heads
+            la = pre + "linear_attn."
+            specs += [
+                lin(la + "in_proj_qkv.weight", conv_dim, h),
+                lin(la + "in_proj_z.weight", value_dim, h),
+                lin(la + "in_proj_b.weight", nv, h),
+                lin(la + "in_proj_a.weight", nv, h),
+                # Depthwise conv: fan-in is the kernel width.
+                (la + "conv1d.weight", (conv_dim, 1, k), "normal", 1.0 / math.sqrt(k)),
+                (la + "dt_bias", (nv,), "zeros", 0.0),
+                (la + "A_log", (nv,), "stratified_log_a", 0.0),
+                # The gated norm multiplies by plain w, so identity is ones even in Qwen3.5.
+                (la + "norm.weight", (p.linear_value_head_dim,), "ones", 0.0),
+                lin(la + "out_proj.weight", h, value_dim),
+            ]
+        specs += [
+            lin(pre + "mlp.gate_proj.weight", p.intermediate_size, h),
+            lin(pre + "mlp.up_proj.weight", p.intermediate_size, h),
+            lin(pre + "mlp.down_proj.weight", h, p.intermediate_size),
+            (pre + "input_layernorm.weight", (h,), norm_kind, 0.0),
+            (pre + "post_attention_layernorm.weight", (h,), norm_kind, 0.0),
+        ]
+    specs += [
+        ("model.norm.weight", (h,), norm_kind, 0.0),
+        ("lm_head.weight", (p.vocab_size, h), "normal", LOGIT_STD / math.sqrt(h)),
+    ]
+    return specs
+
+
+def make_weights(preset: str | Preset, seed: int = 0) -> dict[str, torch.Tensor]:
+    p = get_preset(preset) if isinstance(preset, str) else preset
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape, kind, scale in _param_specs(p):
+        if kind == "normal":
+            t = torch.randn(shape, generator=gen, dtype=torch.float32) * scale
+        elif kind == "ones":
+            t = torch.ones(shape, dtype=torch.float32)
+        elif kind == "zeros":
+            t = torch.zeros(shape, dtype=torch.float32)
+        elif kind == "stratified_log_a":
+            # One head per stratum of log A: with only a few heads per layer, plain uniform sampling
+            # often leaves a layer with no long-memory head, and distant context then barely matters.
+            lo, hi = (math.log(x) for x in A_RANGE)
+            n = shape[0]
+            jitter = torch.rand(shape, generator=gen, dtype=torch.float32)
+            t = lo + (torch.arange(n, dtype=torch.float32) + jitter) * ((hi - lo) / n)
+        else:
+            raise AssertionError(kind)
+        out[name] = t.contiguous()
+    return out
+
+
+def tokenizer_config() -> dict:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": 32768,
+        # Space clean-up would rewrite " ." to "." and break decode(encode(s)) == s.
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "added_tokens_decoder": {
+            str(i): {
+                "content": text,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for i, text in enumerate(SPECIAL_TOKENS)
+        },
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def generation_config() -> dict:
+    return {
+        "bos_token_id": None,
+        "eos_token_id": list(GENERATION_EOS_IDS),
+        "pad_token_id": ENDOFTEXT_ID,
+    }
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def make_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Write config.json, model.safetensors, tokenizer files and generation_config.json to out_dir and
+    return it. Same (preset, seed) gives byte-identical files on the same torch version."""
+    p = get_preset(preset)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    _write_json(out / "config.json", hf_config(p))
+    _write_json(out / "generation_config.json", generation_config())
+    _write_json(out / "tokenizer_config.json", tokenizer_config())
+    shutil.copyfile(tokenizer_asset(), out / "tokenizer.json")
+    # A single metadata key on purpose: safetensors serialises the metadata map in hash order, so two
+    # or more keys make the header (and the file hash) differ from run to run.
+    save_file(make_weights(p, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    # safetensors creates the file 0600; match the other files so a model dir can be shared read-only.
+    (out / "model.safetensors").chmod(0o644)
+    return out

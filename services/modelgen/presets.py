@@ -1,0 +1,145 @@
+"""Shapes of the tiny random models used to test the runtime, and their Hugging Face config.json.
+
+The two presets share every size so that a test can swap the dense model for the hybrid one and only the
+token mixer changes: ``tiny-dense`` is Qwen3 (all full attention), ``tiny-hybrid`` is Qwen3.5's text model
+(three Gated DeltaNet layers, then one gated full-attention layer with partial, multimodal-layout RoPE).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Token ids fixed by the shipped tokenizer (see train_tokenizer.SPECIAL_TOKENS).
+ENDOFTEXT_ID = 0
+IM_START_ID = 1
+IM_END_ID = 2
+# The chat end marker is the primary stop; <|endoftext|> also stops, as in Qwen's generation_config.
+GENERATION_EOS_IDS = [IM_END_ID, ENDOFTEXT_ID]
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    model_type: str
+    architecture: str
+    vocab_size: int = 8192
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 32768
+    rms_norm_eps: float = 1e-6
+    # Hybrid-only fields; ignored for the dense preset.
+    full_attention_interval: int = 0
+    partial_rotary_factor: float = 1.0
+    mrope_section: tuple[int, ...] = field(default_factory=tuple)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.full_attention_interval > 0
+
+    @property
+    def layer_types(self) -> list[str]:
+        if not self.is_hybrid:
+            return ["full_attention"] * self.num_hidden_layers
+        n = self.full_attention_interval
+        return ["full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(self.num_hidden_layers)]
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny-dense": Preset(
+        name="tiny-dense",
+        model_type="qwen3",
+        architecture="Qwen3ForCausalLM",
+    ),
+    "tiny-hybrid": Preset(
+        name="tiny-hybrid",
+        model_type="qwen3_5_text",
+        architecture="Qwen3_5ForCausalLM",
+        rope_theta=1e7,
+        full_attention_interval=4,
+        partial_rotary_factor=0.25,
+        # Must sum to rotary_dim / 2 = 8 frequency slots; text-only positions make the three sections
+        # identical, but the runtime still has to honour the interleaved layout.
+        mrope_section=(3, 3, 2),
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+    ),
+}
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}") from None
+
+
+def hf_config(preset: str | Preset) -> dict[str, Any]:
+    """The config.json dict for a preset, in the layout transformers 5 reads natively (rope in
+    ``rope_parameters``, ``dtype`` rather than ``torch_dtype``)."""
+    p = get_preset(preset) if isinstance(preset, str) else preset
+    cfg: dict[str, Any] = {
+        "architectures": [p.architecture],
+        "model_type": p.model_type,
+        "vocab_size": p.vocab_size,
+        "hidden_size": p.hidden_size,
+        "intermediate_size": p.intermediate_size,
+        "num_hidden_layers": p.num_hidden_layers,
+        "num_attention_heads": p.num_attention_heads,
+        "num_key_value_heads": p.num_key_value_heads,
+        "head_dim": p.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": p.max_position_embeddings,
+        "rms_norm_eps": p.rms_norm_eps,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "layer_types": p.layer_types,
+        "bos_token_id": None,
+        "eos_token_id": IM_END_ID,
+        "pad_token_id": ENDOFTEXT_ID,
+        "dtype": "float32",
+    }
+    if not p.is_hybrid:
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": p.rope_theta}
+        cfg["use_sliding_window"] = False
+        cfg["sliding_window"] = None
+        cfg["max_window_layers"] = p.num_hidden_layers
+        return cfg
+
+    if sum(p.mrope_section) * 2 != p.rotary_dim:
+        raise ValueError(f"mrope_section {p.mrope_section} does not cover rotary_dim {p.rotary_dim}")
+    cfg["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": p.rope_theta,
+        "partial_rotary_factor": p.partial_rotary_factor,
+        "mrope_section": list(p.mrope_section),
+        "mrope_interleaved": True,
+    }
+    cfg.update(
+        full_attention_interval=p.full_attention_interval,
+        linear_num_key_heads=p.linear_num_key_heads,
+        linear_num_value_heads=p.linear_num_value_heads,
+        linear_key_head_dim=p.linear_key_head_dim,
+        linear_value_head_dim=p.linear_value_head_dim,
+        linear_conv_kernel_dim=p.linear_conv_kernel_dim,
+    )
+    return cfg
