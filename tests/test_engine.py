@@ -1,0 +1,117 @@
+"""The executor's Engine without a bus: continuous batching, sampling, stopping, memory."""
+from __future__ import annotations
+
+import pytest
+
+from radixflow.services.executor.engine import Engine, EngineConfig
+from radixflow.shared.errors import BadRequest
+from radixflow.shared.messages import ExecRequest, SamplingParams
+
+
+@pytest.fixture(scope="module", params=["tiny-dense", "tiny-hybrid"])
+def engine(request, models):
+    return Engine(EngineConfig(model=models[request.param], page_size=16, max_total_tokens=16384,
+                               max_running_requests=8, max_prefill_tokens=2048))
+
+
+def req(rid: str, ids: list[int], **sp) -> ExecRequest:
+    return ExecRequest(rid=rid, input_ids=ids, sampling=SamplingParams(**({"temperature": 0.0} | sp)),
+                       eos_token_ids=[0, 2])
+
+
+def run(engine: Engine, reqs: list[ExecRequest], join_after: dict[int, list[ExecRequest]] | None = None):
+    """Drive the engine to completion; requests in join_after[k] are added after step k."""
+    for r in reqs:
+        engine.add(r)
+    out: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    batch_sizes = []
+    step = 0
+    while engine.has_work():
+        for r in (join_after or {}).pop(step, []):
+            engine.add(r)
+        outs = engine.step()
+        batch_sizes.append(len(outs))
+        for _, o in outs:
+            out.setdefault(o.rid, []).extend(o.token_ids)
+            if o.finished:
+                reasons[o.rid] = o.finish_reason
+        step += 1
+    return out, reasons, batch_sizes
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    import random
+    rng = random.Random(seed)
+    return [rng.randrange(3, 8000) for _ in range(n)]
+
+
+def test_batched_greedy_equals_alone_and_requests_join_midway(engine):
+    alone = {}
+    for i in range(4):
+        o, reasons, _ = run(engine, [req(f"a{i}", prompt(i, 20 + 7 * i), max_new_tokens=10, ignore_eos=True)])
+        alone[f"a{i}"] = o[f"a{i}"]
+        assert reasons[f"a{i}"] == "length" and len(o[f"a{i}"]) == 10
+    # two start together, two join while the first two are decoding
+    o, _, sizes = run(engine, [req("a0", prompt(0, 20), max_new_tokens=10, ignore_eos=True),
+                               req("a1", prompt(1, 27), max_new_tokens=10, ignore_eos=True)],
+                      join_after={3: [req("a2", prompt(2, 34), max_new_tokens=10, ignore_eos=True),
+                                      req("a3", prompt(3, 41), max_new_tokens=10, ignore_eos=True)]})
+    assert o == alone
+    assert max(sizes) >= 2            # decode really ran batched
+    assert engine.batcher.pages.num_free == engine.batcher.pages.total   # every page came back
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(engine):
+    p = prompt(5, 30)
+    a, _, _ = run(engine, [req("s", p, temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_new_tokens=12, ignore_eos=True)])
+    b, _, _ = run(engine, [req("s", p, temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_new_tokens=12, ignore_eos=True),
+                           req("other", prompt(6, 50), temperature=1.0, seed=7, max_new_tokens=12, ignore_eos=True)])
+    c, _, _ = run(engine, [req("s", p, temperature=0.9, top_p=0.95, top_k=50, seed=99, max_new_tokens=12, ignore_eos=True)])
+    assert a["s"] == b["s"]
+    assert a["s"] != c["s"]
+
+
+def test_stop_token_ids_and_eos(engine):
+    p = prompt(8, 25)
+    free, _, _ = run(engine, [req("f", p, max_new_tokens=12, ignore_eos=True)])
+    stop_at = free["f"][4]
+    o, reasons, _ = run(engine, [req("f", p, max_new_tokens=12, stop_token_ids=[stop_at], ignore_eos=True)])
+    first = free["f"].index(stop_at)
+    assert o["f"] == free["f"][: first + 1] and reasons["f"] == "stop"
+    # the same token as an EOS id stops too, unless ignore_eos
+    r = ExecRequest(rid="e", input_ids=p, sampling=SamplingParams(temperature=0, max_new_tokens=12), eos_token_ids=[stop_at])
+    o, reasons, _ = run(engine, [r])
+    assert o["e"] == free["f"][: first + 1] and reasons["e"] == "stop"
+
+
+def test_abort_frees_memory(engine):
+    engine.add(req("x", prompt(9, 40), max_new_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    engine.abort(["x"])
+    outs = engine.step()
+    assert [(o.rid, o.finish_reason) for _, o in outs if o.finished] == [("x", "abort")]
+    assert not engine.has_work()
+    assert engine.batcher.pages.num_free == engine.batcher.pages.total
+
+
+def test_bad_requests_are_refused(engine):
+    with pytest.raises(BadRequest, match="empty"):
+        engine.add(req("e", []))
+    with pytest.raises(BadRequest, match="vocabulary"):
+        engine.add(req("v", [engine.spec.vocab_size + 5]))
+    with pytest.raises(BadRequest, match="context length"):
+        engine.add(req("l", [5] * 10, max_new_tokens=engine.max_model_len))
+    with pytest.raises(BadRequest, match="pool holds"):
+        engine.add(req("p", [5] * 10, max_new_tokens=20000))
+
+
+def test_more_requests_than_memory_queue_and_all_finish(models):
+    small = Engine(EngineConfig(model=models["tiny-hybrid"], page_size=16, max_total_tokens=512,
+                                max_running_requests=8, max_prefill_tokens=2048))
+    reqs = [req(f"q{i}", prompt(20 + i, 100), max_new_tokens=20, ignore_eos=True) for i in range(8)]
+    o, reasons, sizes = run(small, reqs)
+    assert sorted(o) == sorted(r.rid for r in reqs) and all(len(v) == 20 for v in o.values())
+    assert max(sizes) <= 4            # 512 tokens hold at most 4 requests of 120 at a time
+    assert small.batcher.pages.num_free == small.batcher.pages.total
