@@ -1,0 +1,186 @@
+"""Nothing is lost: dead services become fast, clear errors; shutdown drains in-flight work."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from radixflow.services.stack import ORDER, Stack, stack_config
+from radixflow.shared import subjects
+from radixflow.shared.bus import Bus
+from radixflow.shared.config import BusConfig
+from radixflow.shared.messages import StatusReply, StatusRequest
+from radixflow.shared.natsd import NatsServer, free_port
+
+
+@pytest.fixture
+def nats():
+    with NatsServer() as srv:
+        yield srv
+
+
+async def start(nats, models, names=ORDER, **over) -> Stack:
+    cfg = stack_config(nats.url, models["tiny-hybrid"], gw_port=0, sc_executor_timeout_s=1.0,
+                       gw_scheduler_timeout_s=1.0, **over)
+    st = await Stack(cfg, names=names).start()
+    if "gateway" in names:
+        st.base = f"http://127.0.0.1:{st.actors['gateway'].port}"
+    await asyncio.sleep(0.6)   # a heartbeat round, so the scheduler and gateway know the executor
+    return st
+
+
+async def post(base, path, body, timeout=60):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(base + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            return r.status, await r.json()
+
+
+async def crash(stack: Stack, name: str) -> None:
+    """Kill a service the hard way: its connection drops without draining, its loops stop."""
+    actor = stack.actors.pop(name)
+    await actor.bus.nc.close()
+    for t in actor._loops.values():
+        t.cancel()
+
+
+LONG = {"text": "a long one", "sampling_params": {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}}
+
+
+async def test_no_executor_is_a_fast_503(nats, models):
+    st = await start(nats, models, names=tuple(n for n in ORDER if n != "executor"))
+    try:
+        t0 = time.monotonic()
+        code, body = await post(st.base, "/generate", {"text": "hello"})
+        assert code == 503 and "executor" in body["error"]["message"]
+        assert time.monotonic() - t0 < 1.0
+        async with aiohttp.ClientSession() as s, s.get(st.base + "/health") as r:
+            assert r.status == 503 and (await r.json())["services"]["executor"] is False
+    finally:
+        await st.stop()
+
+
+async def test_no_tokenizer_is_a_fast_503(nats, models):
+    st = await start(nats, models, names=tuple(n for n in ORDER if n != "tokenizer"))
+    try:
+        t0 = time.monotonic()
+        code, body = await post(st.base, "/generate", {"text": "hello"})
+        assert code == 503 and "tokenizer" in body["error"]["message"]
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        await st.stop()
+
+
+async def test_executor_death_mid_request_ends_it_with_an_error(nats, models):
+    st = await start(nats, models)
+    try:
+        task = asyncio.create_task(post(st.base, "/generate", LONG))
+        await asyncio.sleep(1.0)
+        assert not task.done()
+        t0 = time.monotonic()
+        await crash(st, "executor")
+        code, body = await asyncio.wait_for(task, 10)
+        assert code == 503 and "stopped responding" in body["error"]["message"]
+        assert time.monotonic() - t0 < 3.0
+        assert len(st.actors["scheduler"].table) == 0
+    finally:
+        await st.stop()
+
+
+async def test_scheduler_death_mid_stream_ends_it_with_an_error(nats, models):
+    st = await start(nats, models)
+    try:
+        events = []
+
+        async def stream():
+            async with aiohttp.ClientSession() as s:
+                async with s.post(st.base + "/generate", json=LONG | {"stream": True}) as r:
+                    async for line in r.content:
+                        if line.startswith(b"data: "):
+                            events.append(line[6:].strip())
+        task = asyncio.create_task(stream())
+        await asyncio.sleep(1.0)
+        t0 = time.monotonic()
+        await crash(st, "scheduler")
+        await asyncio.wait_for(task, 10)
+        assert time.monotonic() - t0 < 3.0
+        err = json.loads(events[-2])
+        assert err["error"]["code"] == 503 and "scheduler" in err["error"]["message"]
+        assert events[-1] == b"[DONE]"
+    finally:
+        await st.stop()
+
+
+async def test_long_prefill_does_not_block_the_event_loop(nats, models):
+    st = await start(nats, models, names=tuple(n for n in ORDER if n != "gateway"))
+    bus = Bus("probe", BusConfig(nats_url=nats.url))
+    await bus.connect()
+    try:
+        from radixflow.shared.messages import ExecRequest, SamplingParams
+        ex = st.actors["executor"]
+        ex.engine.add(ExecRequest(rid="big", input_ids=list(range(3, 7003)),
+                                  sampling=SamplingParams(max_new_tokens=1, temperature=0)))
+        ex._wake.set()
+        await asyncio.sleep(0.05)
+        lat = []
+        while ex.engine.has_work():
+            t0 = time.monotonic()
+            await bus.request(subjects.status("executor"), StatusRequest(), StatusReply, timeout=2)
+            lat.append(time.monotonic() - t0)
+            await asyncio.sleep(0.02)
+        assert len(lat) >= 3, "the prefill was too short to probe"
+        assert max(lat) < 0.5, lat
+    finally:
+        await bus.close()
+        await st.stop()
+
+
+async def test_stop_drains_in_flight_requests(nats, models):
+    st = await start(nats, models)
+    body = {"text": "drain me", "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}}
+    tasks = [asyncio.create_task(post(st.base, "/generate", body)) for _ in range(4)]
+    await asyncio.sleep(0.3)
+    await st.stop()
+    res = await asyncio.gather(*tasks)
+    assert all(code == 200 and r["meta_info"]["completion_tokens"] == 40 for code, r in res), res
+
+
+def test_radixflow_up_serves_and_drains_on_sigterm(models, tmp_path):
+    """The real command: embedded nats-server, all services, HTTP; SIGTERM lets a request finish."""
+    import requests
+    port = free_port()
+    log = open(tmp_path / "up.log", "w")
+    p = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "radixflow"), "up", "--model",
+                          models["tiny-dense"], "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            assert p.poll() is None, open(tmp_path / "up.log").read()[-2000:]
+            try:
+                if requests.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.time() < deadline, "not healthy in 90 s"
+            time.sleep(0.3)
+        import threading
+        out = {}
+        body = {"text": "hello", "sampling_params": {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True}}
+        t = threading.Thread(target=lambda: out.setdefault("r", requests.post(base + "/generate", json=body, timeout=60)))
+        t.start()
+        time.sleep(0.5)
+        p.send_signal(signal.SIGTERM)
+        t.join(60)
+        assert out["r"].status_code == 200 and out["r"].json()["meta_info"]["completion_tokens"] == 60
+        assert p.wait(30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        log.close()
