@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import socket
@@ -161,20 +162,25 @@ class Actor:
                 q.task_done()
 
     async def _handle(self, r: Route, m: NatsMsg) -> None:
+        req, rid = None, None
         try:
-            try:
-                req = messages.decode(m.data, r.msg_type)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                raise BadRequest(f"malformed message on {r.subject}: {e}") from None
-            out = await r.fn(req)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            level = "warning" if getattr(e, "code", 500) < 500 else "error"
-            getattr(self.log, level)("handler failed", subject=r.subject, error=str(e))
-            out = from_exception(e)
-        if out is not None and m.reply:
-            await self.bus.respond(m, out)
+            req = messages.decode(m.data, r.msg_type)
+            rid = getattr(req, "rid", None)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            out = BadRequest(f"malformed message on {r.subject}: {e}").to_reply()
+        # every line logged while handling a request carries its id
+        with log.bind_request(rid) if rid else contextlib.nullcontext():
+            if req is not None:
+                try:
+                    out = await r.fn(req)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    level = "warning" if getattr(e, "code", 500) < 500 else "error"
+                    getattr(self.log, level)("handler failed", subject=r.subject, error=str(e))
+                    out = from_exception(e)
+            if out is not None and m.reply:
+                await self.bus.respond(m, out)
 
     async def _on_status(self, _: StatusRequest) -> StatusReply:
         return StatusReply(service=self.service, instance=self.instance, ok=True, detail=self.status())

@@ -122,6 +122,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
     req = GenerateRequest(rid=body.rid or new_rid(), stream_subject="", text=body.text, input_ids=body.input_ids,
                           sampling=P.native_sampling(body.sampling_params), tenant=tenant, cache_salt=body.cache_salt)
     check_request(req)
+    with log.bind_request(req.rid):
+        return await _generate(request, req, body)
+
+
+async def _generate(request: web.Request, req: GenerateRequest, body: P.GenerateBody) -> web.StreamResponse:
     client = request.app[CLIENT]
     t0 = time.monotonic()
     if not body.stream:
@@ -178,7 +183,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
                           input_ids=prompt if isinstance(prompt, list) else None,
                           sampling=P.openai_sampling(body, body.max_tokens, 16))
     check_request(req)
-    return await _openai(request, req, body, chat=False)
+    with log.bind_request(req.rid):
+        return await _openai(request, req, body, chat=False)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -190,7 +196,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = GenerateRequest(rid=new_rid(), stream_subject="", tenant=tenant, cache_salt=body.cache_salt,
                           messages=P.chat_messages(body), sampling=P.openai_sampling(body, max_tokens, 1024))
     check_request(req)
-    return await _openai(request, req, body, chat=True)
+    with log.bind_request(req.rid):
+        return await _openai(request, req, body, chat=True)
 
 
 async def _openai(request: web.Request, req: GenerateRequest, body: P._OpenAIBase, chat: bool) -> web.StreamResponse:

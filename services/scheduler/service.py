@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from radixflow.shared import subjects
+from radixflow.shared import log, subjects
 from radixflow.shared.actor import Actor
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import SchedulerConfig, ServiceConfig
@@ -190,6 +190,8 @@ class SchedulerService(Actor):
         if self.table.finish(t.rid) is None:
             return
         self._release(t)
+        with log.bind_request(t.rid):
+            self.log.warning("request failed", code=code, error=message)
         await self._send(t, StreamError(rid=t.rid, seq=t.take_seq(), code=code, kind=kind, message=message))
         if abort:
             try:
