@@ -37,6 +37,7 @@ class Bus:
         self.name = name
         self.config = config
         self._nc: nats.NATS | None = None
+        self._closing = False
 
     # ------------------------------------------------------------ lifecycle
 
@@ -58,6 +59,7 @@ class Bus:
                 await asyncio.sleep(0.2)
 
     async def close(self) -> None:
+        self._closing = True
         if self._nc is not None and not self._nc.is_closed:
             try:
                 await self._nc.drain()
@@ -69,7 +71,8 @@ class Bus:
         _log.warning("nats error", error=str(e), client=self.name)
 
     async def _on_disconnect(self) -> None:
-        _log.warning("nats disconnected", client=self.name)
+        if not self._closing:
+            _log.warning("nats disconnected", client=self.name)
 
     async def _on_reconnect(self) -> None:
         _log.info("nats reconnected", client=self.name)

@@ -159,3 +159,28 @@ async def test_supervisor_restarts_a_crashed_loop(nats_server):
     finally:
         await actor.stop()
         await bus.close()
+
+
+async def test_reconnects_after_the_server_restarts():
+    from radixflow.shared.natsd import NatsServer
+    srv = NatsServer().start()
+    bus = await connect(srv.url)
+    actor = Echo(bus)
+    await actor.start()
+    try:
+        assert (await bus.request("t.echo", EncodeRequest(text="ab"), EncodeReply)).input_ids == [2]
+        srv.stop()
+        with pytest.raises((ServiceUnavailable, RequestTimeout)):
+            await bus.request("t.echo", EncodeRequest(text="ab"), EncodeReply, timeout=0.5)
+        srv.start()
+        for _ in range(50):   # the client reconnects by itself and resubscribes
+            try:
+                r = await bus.request("t.echo", EncodeRequest(text="abcd"), EncodeReply, timeout=0.5)
+                break
+            except (ServiceUnavailable, RequestTimeout):
+                await asyncio.sleep(0.2)
+        assert r.input_ids == [4]
+    finally:
+        await actor.stop()
+        await bus.close()
+        srv.stop()

@@ -45,6 +45,8 @@ async def post(base, path, body, timeout=60):
 async def crash(stack: Stack, name: str) -> None:
     """Kill a service the hard way: its connection drops without draining, its loops stop."""
     actor = stack.actors.pop(name)
+    if hasattr(actor, "_running"):
+        actor._running.clear()   # a dead process computes nothing more
     await actor.bus.nc.close()
     for t in actor._loops.values():
         t.cancel()

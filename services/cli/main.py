@@ -4,6 +4,7 @@
     radixflow service NAME --nats-url URL [--model DIR] ...          one service
     radixflow make-model PRESET DIR                                  a tiny HF checkpoint (tiny-dense, tiny-hybrid)
     radixflow schemas [--check]                                      write (or check) schemas/*.json
+    radixflow bench decode|latency [--model tiny-hybrid]             benchmarks beside their baselines
 """
 from __future__ import annotations
 
@@ -97,6 +98,23 @@ def cmd_schemas(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    import json
+    from radixflow.services.bench.common import resolve_model
+    model = resolve_model(a.model)
+    if a.which == "decode":
+        from radixflow.services.bench.decode import run_decode
+        out = run_decode(model, [int(b) for b in a.batch.split(",")], a.prompt_len, a.new_tokens)
+    elif a.which == "latency":
+        from radixflow.services.bench.decode import run_latency
+        out = run_latency(model, a.prompt_len, a.repeats)
+    else:
+        print(f"unknown benchmark {a.which!r}", file=sys.stderr)
+        return 2
+    print(json.dumps(out, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="radixflow", description="radixflow: a serving runtime for LLM programs")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -118,6 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default="schemas")
     p.add_argument("--check", action="store_true")
     p.set_defaults(fn=cmd_schemas)
+    p = sub.add_parser("bench", help="benchmarks, each beside its baseline in one run")
+    p.add_argument("which", help="decode | latency")
+    p.add_argument("--model", default="tiny-hybrid", help="a preset (tiny-dense, tiny-hybrid) or a model directory")
+    p.add_argument("--batch", default="1,16", help="decode: comma-separated batch sizes")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=20)
+    p.set_defaults(fn=cmd_bench)
     a = ap.parse_args(argv)
     return a.fn(a)
 

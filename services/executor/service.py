@@ -1,13 +1,19 @@
 """Executor service: a thin actor shell around Engine.
 
-The compute loop runs Engine.step in a dedicated thread so the event loop keeps serving heartbeats,
-intake and aborts during a long prefill. Each step's outputs go out as one StepOutput message per
-scheduler, never one message per token per request.
+The compute loop runs Engine.step back to back in a dedicated thread, so the event loop keeps
+serving heartbeats, intake and aborts during a long prefill, and the model never waits for the
+event loop between steps. Each step's outputs are handed to the loop and go out as one StepOutput
+message per scheduler, never one message per token per request.
+
+    compute thread:  step -> step -> step ...      (sleeps on `_wake` when idle)
+                        \ call_soon_threadsafe
+    event loop:       outbox -> publisher task -> NATS
 """
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,8 +33,10 @@ class ExecutorService(Actor):
         super().__init__(bus, service_config, instance=config.instance or None)
         self.cfg = config
         self.engine: Engine | None = None
-        self._wake = asyncio.Event()
+        self._wake = threading.Event()
+        self._running = threading.Event()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="executor-compute")
+        self._outbox: asyncio.Queue[list[tuple[str, SeqOutput]]] = asyncio.Queue()
         self.model_name = config.served_model_name or os.path.basename(os.path.normpath(config.model))
         self.route(subjects.executor_submit(self.instance), ExecRequest, self.submit)
         self.route(subjects.executor_abort(self.instance), AbortRequest, self.abort)
@@ -43,15 +51,20 @@ class ExecutorService(Actor):
                             max_running_requests=cfg.max_running_requests, max_prefill_tokens=cfg.max_prefill_tokens)
         loop = asyncio.get_running_loop()
         self.engine = await loop.run_in_executor(self._thread, Engine, ecfg)
+        self._running.set()
         self.spawn("compute", self._compute_loop)
+        self.spawn("publisher", self._publisher)
         self.log.info("model loaded", model=cfg.model, device=str(self.engine.runner.device),
                       max_model_len=self.engine.max_model_len)
 
     async def on_drain(self) -> None:
         while self.engine is not None and self.engine.has_work():
             await asyncio.sleep(0.02)
+        await self._outbox.join()
 
     async def on_stop(self) -> None:
+        self._running.clear()
+        self._wake.set()
         self._thread.shutdown(wait=False, cancel_futures=True)
 
     async def submit(self, req: ExecRequest) -> ExecAccepted:
@@ -65,14 +78,26 @@ class ExecutorService(Actor):
 
     async def _compute_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
+        await loop.run_in_executor(self._thread, self._steps, loop)
+
+    def _steps(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The compute thread: step while there is work, sleep on _wake otherwise."""
+        while self._running.is_set():
+            self._wake.clear()   # before the check: a submit after it sets _wake and wait() returns at once
             if not self.engine.has_work():
-                self._wake.clear()
-                await self._wake.wait()
+                self._wake.wait(0.5)
                 continue
-            outs = await loop.run_in_executor(self._thread, self.engine.step)
+            outs = self.engine.step()
             if outs:
+                loop.call_soon_threadsafe(self._outbox.put_nowait, outs)
+
+    async def _publisher(self) -> None:
+        while True:
+            outs = await self._outbox.get()
+            try:
                 await self._publish(outs)
+            finally:
+                self._outbox.task_done()
 
     async def _publish(self, outs: list[tuple[str, SeqOutput]]) -> None:
         by_subject: dict[str, list[SeqOutput]] = defaultdict(list)
