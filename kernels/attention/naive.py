@@ -1,0 +1,119 @@
+"""Pure-torch reference attention over a paged KV pool.
+
+Per layer the pool is `k_cache`, `v_cache` of shape [S, Hkv, D], S = num_pages * page_size token
+slots. A sequence's tokens live at arbitrary slots (its page table expanded to slots), so every
+kernel first gathers the sequence's K/V by slot index, then runs dense attention with a mask.
+GQA: Hq is a multiple of Hkv; query head h reads kv head h // (Hq // Hkv) (SDPA's enable_gqa).
+
+Math in fp32 (the gathered K/V are cast), outputs in q's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["write_kv", "prefill_attention", "decode_attention"]
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Store new K/V into the pool, in place.
+
+    Args:
+        k_cache, v_cache: [S, Hkv, D]
+        slots: [T] int64, distinct slot per token
+        k, v: [T, Hkv, D] (cast to the pool's dtype)
+    """
+    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def _gqa(num_q_heads: int, num_kv_heads: int) -> bool:
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"Hq={num_q_heads} must be a multiple of Hkv={num_kv_heads}")
+    return num_q_heads != num_kv_heads
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    prefix_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of the E new tokens of one sequence over its whole context.
+
+    The new tokens' K/V must already be in the pool (write_kv first).
+
+    Args:
+        q: [E, Hq, D], the new tokens, absolute positions prefix_len .. prefix_len+E-1
+        k_cache, v_cache: [S, Hkv, D]
+        slots: [L] int64, the slot of every token of the sequence in order, L = prefix_len + E
+        prefix_len: tokens already cached before the new ones (prefix cache hit / earlier chunks)
+        scale: softmax scale, usually D**-0.5
+    Returns:
+        o: [E, Hq, D] in q's dtype
+    """
+    E, Hq, _ = q.shape
+    L = slots.shape[0]
+    if L != prefix_len + E:
+        raise ValueError(f"len(slots)={L} != prefix_len + E = {prefix_len} + {E}")
+    k = k_cache.index_select(0, slots).float().transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+    v = v_cache.index_select(0, slots).float().transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+    qf = q.float().transpose(0, 1).unsqueeze(0)  # [1, Hq, E, D]
+    if prefix_len == 0:
+        # square causal: SDPA's top-left aligned is_causal is exactly right and needs no mask
+        mask, causal = None, True
+    else:
+        # new token i sits at absolute position prefix_len + i and sees keys j <= prefix_len + i;
+        # is_causal would align top-left (j <= i) and hide most of the prefix, so build the mask
+        pos = torch.arange(L, device=q.device)
+        mask, causal = pos[None, :] <= pos[prefix_len:, None], False  # [E, L] bool, True = attend
+    o = F.scaled_dot_product_attention(
+        qf, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=_gqa(Hq, k.shape[1])
+    )  # [1, Hq, E, D]
+    return o[0].transpose(0, 1).to(q.dtype)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence over its cached context, batched over sequences.
+
+    The current token's K/V must already be in the pool.
+
+    Args:
+        q: [N, Hq, D]
+        k_cache, v_cache: [S, Hkv, D]
+        slot_table: [N, Lmax] int64, row n's first seq_lens[n] entries are its slots in order;
+            the rest is padding (any value, never read)
+        seq_lens: [N] int, valid slots per row including the current token, >= 1
+        scale: softmax scale
+    Returns:
+        o: [N, Hq, D] in q's dtype
+    """
+    N, Hq, _ = q.shape
+    Lmax = slot_table.shape[1]
+    valid = torch.arange(Lmax, device=q.device)[None, :] < seq_lens.to(q.device)[:, None]  # [N, Lmax]
+    # padding may hold out-of-range values (e.g. -1): point it at slot 0, the mask discards it
+    slots = slot_table.masked_fill(~valid, 0)
+    flat = slots.reshape(-1)  # index_select on a flat index is ~2x faster than advanced indexing
+    k = k_cache.index_select(0, flat).view(N, Lmax, *k_cache.shape[1:]).float().transpose(1, 2)
+    v = v_cache.index_select(0, flat).view(N, Lmax, *v_cache.shape[1:]).float().transpose(1, 2)  # [N, Hkv, Lmax, D]
+    qf = q.float().unsqueeze(2)  # [N, Hq, 1, D]
+    o = F.scaled_dot_product_attention(
+        qf, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=_gqa(Hq, k.shape[1])
+    )  # [N, Hq, 1, D]
+    return o.squeeze(2).to(q.dtype)

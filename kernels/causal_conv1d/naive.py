@@ -1,0 +1,82 @@
+"""Pure-torch reference for the depthwise causal short convolution of Gated DeltaNet (Qwen3-Next / Qwen3.5).
+
+Channel c at time t sees its own last W inputs:
+
+    y[c, t] = act( sum_{j=0}^{W-1} weight[c, j] * x[c, t - (W-1) + j] )
+
+with the W-1 inputs before the first token taken from a carried `state` (zeros for a fresh sequence),
+so a sequence can be processed in pieces (prefix cache hit, chunked prefill, decode) with identical
+results. No bias, as in Qwen3.5. Math in fp32; outputs in x's dtype, states keep their dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["causal_conv1d", "causal_conv1d_update"]
+
+
+def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return y
+    if activation in ("silu", "swish"):
+        return F.silu(y)
+    raise ValueError(f"unsupported activation {activation!r}")
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv over one sequence.
+
+    Args:
+        x: [C, T]
+        weight: [C, W]
+        initial_state: [C, W-1], the W-1 inputs preceding x (oldest first); zeros when None
+        activation: "silu" / "swish" or None
+    Returns:
+        y: [C, T] in x's dtype
+        final_state: [C, W-1] in initial_state's dtype (x's when None): the last W-1 inputs of
+            initial_state ++ x, so it still holds part of initial_state when T < W-1
+    """
+    C, T = x.shape
+    W = weight.shape[-1]
+    if initial_state is None:
+        state_dtype, initial_state = x.dtype, x.new_zeros(C, W - 1, dtype=torch.float32)
+    else:
+        state_dtype = initial_state.dtype
+    # [C, W-1+T] fp32 (exact for bf16/fp16 inputs): the carried inputs act as the left padding
+    xx = torch.cat([initial_state.float(), x.float()], dim=-1)
+    if T == 0:  # conv1d rejects an input shorter than the kernel
+        y = xx.new_empty(C, 0)
+    else:
+        y = F.conv1d(xx.unsqueeze(0), weight.float().unsqueeze(1), groups=C).squeeze(0)  # [C, T]
+    # slice from an explicit start: xx[:, -(W-1):] would return everything when W == 1
+    final_state = xx[:, xx.shape[-1] - (W - 1) :].to(state_dtype, copy=True)
+    return _activate(y, activation).to(x.dtype), final_state
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    state: torch.Tensor,
+    weight: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """One token for each of N sequences; `state` is shifted IN PLACE.
+
+    Args:
+        x: [N, C]
+        state: [N, C, W-1], the previous W-1 inputs of each sequence (oldest first)
+        weight: [C, W]
+        activation: "silu" / "swish" or None
+    Returns:
+        y: [N, C] in x's dtype
+    """
+    window = torch.cat([state.float(), x.float().unsqueeze(-1)], dim=-1)  # [N, C, W] fp32
+    y = (window * weight.float()).sum(-1)  # [N, C]
+    state.copy_(window[..., 1:])  # shift: drop the oldest input (nothing to keep when W == 1)
+    return _activate(y, activation).to(x.dtype)
