@@ -37,6 +37,7 @@ class ExecutorConfig:
     max_model_len: int = 0            # 0 = the model's max_position_embeddings
     num_threads: int = 0              # torch intra-op threads; 0 = leave torch's default
     heartbeat_s: float = 0.5
+    orphan_timeout_s: float = 3.0     # a request's scheduler silent this long: abort the request
     disable_radix_cache: bool = False
 
 

@@ -28,7 +28,7 @@ def nats():
 
 async def start(nats, models, names=ORDER, **over) -> Stack:
     cfg = stack_config(nats.url, models["tiny-hybrid"], gw_port=0, sc_executor_timeout_s=1.0,
-                       gw_scheduler_timeout_s=1.0, **over)
+                       gw_scheduler_timeout_s=1.0, ex_orphan_timeout_s=1.0, **over)
     st = await Stack(cfg, names=names).start()
     if "gateway" in names:
         st.base = f"http://127.0.0.1:{st.actors['gateway'].port}"
@@ -115,6 +115,12 @@ async def test_scheduler_death_mid_stream_ends_it_with_an_error(nats, models):
         err = json.loads(events[-2])
         assert err["error"]["code"] == 503 and "scheduler" in err["error"]["message"]
         assert events[-1] == b"[DONE]"
+        ex = st.actors["executor"]          # the orphaned request stops computing too
+        for _ in range(40):
+            if not ex.engine.has_work():
+                break
+            await asyncio.sleep(0.1)
+        assert not ex.engine.has_work()
     finally:
         await st.stop()
 

@@ -1,9 +1,10 @@
-"""Executor service: a thin actor shell around Engine.
+r"""Executor service: a thin actor shell around Engine.
 
 The compute loop runs Engine.step back to back in a dedicated thread, so the event loop keeps
 serving heartbeats, intake and aborts during a long prefill, and the model never waits for the
 event loop between steps. Each step's outputs are handed to the loop and go out as one StepOutput
-message per scheduler, never one message per token per request.
+message per scheduler, never one message per token per request. Requests of a scheduler that
+stops beating are aborted: nobody is left to read their output.
 
     compute thread:  step -> step -> step ...      (sleeps on `_wake` when idle)
                         \ call_soon_threadsafe
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,7 +23,7 @@ from radixflow.shared import subjects
 from radixflow.shared.actor import Actor
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import ExecutorConfig, ServiceConfig
-from radixflow.shared.messages import AbortRequest, ExecAccepted, ExecRequest, ExecutorInfo, SeqOutput, StepOutput
+from radixflow.shared.messages import AbortRequest, ExecAccepted, ExecRequest, ExecutorInfo, Heartbeat, SeqOutput, StepOutput
 
 from .engine import Engine, EngineConfig
 
@@ -40,6 +42,9 @@ class ExecutorService(Actor):
         self.model_name = config.served_model_name or os.path.basename(os.path.normpath(config.model))
         self.route(subjects.executor_submit(self.instance), ExecRequest, self.submit)
         self.route(subjects.executor_abort(self.instance), AbortRequest, self.abort)
+        self.route(subjects.heartbeat("scheduler"), Heartbeat, self.on_scheduler_heartbeat)
+        self._owner: dict[str, str] = {}            # rid -> output subject (its scheduler)
+        self._subject_seen: dict[str, float] = {}   # output subject -> last heartbeat of its scheduler
 
     async def on_start(self) -> None:
         cfg = self.cfg
@@ -54,6 +59,7 @@ class ExecutorService(Actor):
         self._running.set()
         self.spawn("compute", self._compute_loop)
         self.spawn("publisher", self._publisher)
+        self.spawn("orphans", self._orphans)
         self.log.info("model loaded", model=cfg.model, device=str(self.engine.runner.device),
                       max_model_len=self.engine.max_model_len)
 
@@ -69,6 +75,8 @@ class ExecutorService(Actor):
 
     async def submit(self, req: ExecRequest) -> ExecAccepted:
         self.engine.add(req)
+        self._owner[req.rid] = req.output_subject
+        self._subject_seen.setdefault(req.output_subject, time.monotonic())
         self._wake.set()
         return ExecAccepted(rid=req.rid)
 
@@ -99,10 +107,30 @@ class ExecutorService(Actor):
             finally:
                 self._outbox.task_done()
 
+    async def on_scheduler_heartbeat(self, hb: Heartbeat) -> None:
+        self._subject_seen[subjects.scheduler_output(hb.instance)] = time.monotonic()
+
+    async def _orphans(self) -> None:
+        """Abort the requests of schedulers that stopped beating."""
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_s)
+            now = time.monotonic()
+            dead = {s for s, t in self._subject_seen.items() if now - t > self.cfg.orphan_timeout_s}
+            orphans = [rid for rid, s in self._owner.items() if s in dead]
+            if orphans:
+                self.log.warning("aborting requests of a silent scheduler", requests=len(orphans))
+                self.engine.abort(orphans)
+                self._wake.set()
+            for s in dead:
+                if s not in self._owner.values():
+                    del self._subject_seen[s]
+
     async def _publish(self, outs: list[tuple[str, SeqOutput]]) -> None:
         by_subject: dict[str, list[SeqOutput]] = defaultdict(list)
         for subject, o in outs:
             by_subject[subject].append(o)
+            if o.finished:
+                self._owner.pop(o.rid, None)
         for subject, items in by_subject.items():
             if subject:
                 await self.bus.publish(subject, StepOutput(executor=self.instance, step=self.engine.steps, outputs=items))
