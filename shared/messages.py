@@ -207,22 +207,81 @@ class ExecutorInfo(Msg):
     waiting: int
 
 
-# ---------------------------------------------------------------- radix (contracts; behaviour in the radix issue)
+# ---------------------------------------------------------------- radix
 
 
-class RadixMatch(Msg):
+class RadixRegister(Msg):
+    """An executor announces its KV pool; the radix service becomes the authority over its pages."""
     pool: str
+    num_pages: int
+    page_size: int
+    cache: bool = True                # False: --disable-radix-cache (pages are never shared)
+
+
+class RadixRegistered(Msg):
+    pool: str
+
+
+class Candidate(Msg):
+    """A waiting request the executor would like to start."""
+    rid: str
     namespace: str
     token_ids: list[int]
+    reserve: int                      # tokens beyond the prompt to reserve pages for (max_new_tokens)
 
 
-class RadixMatchReply(Msg):
+class Progress(Msg):
+    """The first `computed` tokens of a running request now have KV: cache them (prefill chunk done)."""
+    rid: str
+    computed: int
+
+
+class Release(Msg):
+    """A request ended: cache its computed tokens, unlock, free every page the tree does not keep."""
+    rid: str
+    output_ids: list[int] = []
+    computed: int = 0
+
+
+class RadixStep(Msg):
+    """Everything one executor step needs from the radix service, in one message."""
+    pool: str
+    budget: int                       # prefill tokens the step can still take
+    max_admit: int                    # free request slots
+    candidates: list[Candidate] = []
+    progress: list[Progress] = []
+    releases: list[Release] = []
+
+
+class Grant(Msg):
+    rid: str
+    cached_tokens: int                # prompt tokens whose KV is reused (a multiple of page_size)
+    pages: list[int]                  # the request's page table: cached pages, then fresh ones
+
+
+class Deferred(Msg):
+    rid: str
     cached_tokens: int
-    pages: list[int] = []
+    reason: str                       # memory | budget | slots | shared-prefix
+
+
+class RadixStepReply(Msg):
+    grants: list[Grant] = []
+    deferred: list[Deferred] = []
+    free_pages: int = 0
+    evictable_pages: int = 0
+
+
+class RadixFlush(Msg):
+    pool: str | None = None           # None: every pool
+
+
+class RadixFlushed(Msg):
+    freed_pages: int
 
 
 class RadixPlace(Msg):
-    """Which executor pool holds the longest prefix of `token_ids`, at what load."""
+    """Which executor pool holds the longest prefix of `token_ids` in `namespace`."""
     namespace: str
     token_ids: list[int]
     pools: list[str]

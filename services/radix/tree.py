@@ -1,0 +1,180 @@
+"""RadixTree: cached KV pages keyed by token ids, at page granularity, one root per cache namespace.
+
+    root(ns) ── [t0..t15 | t16..t31] ──┬── [t32..t47]            a node's key is a run of whole pages;
+              pages [p7, p2]           └── [u32..u47 | ...]      children keyed by their first page
+
+- match walks page by page and splits a node where a match ends inside it, so a match always ends
+  on a node boundary (that node is what a request locks);
+- lock counts propagate to the root: a node with lock == 0 has no locked descendant, so every page
+  of an unlocked node is evictable, eventually (leaves first);
+- evict frees least-recently-used unlocked leaves, repeatedly, until enough pages are free.
+No torch, no I/O: page ids are plain ints owned by whoever allocates them (PagePool).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Iterator, NamedTuple
+
+_clock = itertools.count()
+
+
+@dataclass(eq=False)
+class Node:
+    key: tuple[int, ...]
+    pages: list[int]
+    parent: "Node | None"
+    children: dict[tuple[int, ...], "Node"] = field(default_factory=dict)
+    lock: int = 0
+    last_access: int = 0
+    namespace: str = ""
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+
+class Match(NamedTuple):
+    node: Node          # deepest matched node (the root when nothing matched)
+    length: int         # matched tokens, a multiple of page_size
+    pages: list[int]    # the pages of those tokens, in order
+
+
+class RadixTree:
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.roots: dict[str, Node] = {}
+        self.cached_pages = 0        # pages held by the tree
+        self.evictable_pages = 0     # pages held by unlocked nodes
+
+    def root(self, namespace: str) -> Node:
+        r = self.roots.get(namespace)
+        if r is None:
+            r = self.roots[namespace] = Node((), [], None, lock=1, namespace=namespace)   # roots never evict
+        return r
+
+    def _first(self, tokens, i: int) -> tuple[int, ...]:
+        return tuple(tokens[i:i + self.page_size])
+
+    # ------------------------------------------------------------ match / insert
+
+    def match(self, namespace: str, tokens: list[int], split: bool = True) -> Match:
+        """Longest cached page-aligned prefix of `tokens` in `namespace`. With split=False the tree is
+        left untouched (and the match may end inside a node; `node` is then the last full node)."""
+        node, i, pages, ps = self.root(namespace), 0, [], self.page_size
+        now = next(_clock)
+        node.last_access = now
+        limit = len(tokens) - len(tokens) % ps
+        while i < limit:
+            child = node.children.get(self._first(tokens, i))
+            if child is None:
+                break
+            n = self._common_pages(child.key, tokens, i)
+            if n * ps < len(child.key):
+                if not split:
+                    pages.extend(child.pages[:n])
+                    i += n * ps
+                    break
+                child = self._split(child, n)
+            child.last_access = now
+            pages.extend(child.pages)
+            i += len(child.key)
+            node = child
+        return Match(node, i, pages)
+
+    def insert(self, namespace: str, tokens: list[int], pages: list[int]) -> Node:
+        """Cache `tokens` (a whole number of pages) backed by `pages`; returns the node ending at
+        len(tokens). Where the tree already holds a prefix it keeps its own pages: the caller's
+        copies of that prefix stay the caller's to free."""
+        ps = self.page_size
+        assert len(tokens) % ps == 0 and len(pages) == len(tokens) // ps, (len(tokens), len(pages))
+        m = self.match(namespace, tokens)
+        n = m.length // ps
+        node = m.node
+        if m.length < len(tokens):
+            leaf = Node(tuple(tokens[m.length:]), list(pages[n:]), node, namespace=namespace,
+                        last_access=next(_clock))
+            node.children[leaf.key[:ps]] = leaf
+            self.cached_pages += len(leaf.pages)
+            self.evictable_pages += len(leaf.pages)
+            node = leaf
+        return node
+
+    def _common_pages(self, key: tuple[int, ...], tokens: list[int], i: int) -> int:
+        ps, n = self.page_size, 0
+        limit = min(len(key), len(tokens) - i) // ps
+        while n < limit and key[n * ps:(n + 1) * ps] == tuple(tokens[i + n * ps:i + (n + 1) * ps]):
+            n += 1
+        return n
+
+    def _split(self, child: Node, n_pages: int) -> Node:
+        """Cut `child` after n_pages; the new upper node inherits its lock count (locks run to the root)."""
+        ps = self.page_size
+        parent = child.parent
+        upper = Node(child.key[:n_pages * ps], child.pages[:n_pages], parent, lock=child.lock,
+                     last_access=child.last_access, namespace=child.namespace)
+        parent.children[upper.key[:ps]] = upper
+        child.key, child.pages, child.parent = child.key[n_pages * ps:], child.pages[n_pages:], upper
+        upper.children[child.key[:ps]] = child
+        return upper
+
+    # ------------------------------------------------------------ locks
+
+    def lock(self, node: Node) -> None:
+        while node is not None:
+            if node.lock == 0:
+                self.evictable_pages -= len(node.pages)
+            node.lock += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        while node is not None:
+            assert node.lock > 0, "unlock of an unlocked node"
+            node.lock -= 1
+            if node.lock == 0:
+                self.evictable_pages += len(node.pages)
+            node = node.parent
+
+    # ------------------------------------------------------------ eviction
+
+    def evict(self, n_pages: int) -> list[int]:
+        """Free at least n_pages (fewer if not enough are unlocked), LRU leaves first."""
+        heap = [(n.last_access, id(n), n) for n in self.nodes() if not n.children and n.lock == 0]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while heap and len(freed) < n_pages:
+            _, _, leaf = heapq.heappop(heap)
+            freed.extend(leaf.pages)
+            parent = leaf.parent
+            del parent.children[leaf.key[:self.page_size]]
+            self.cached_pages -= len(leaf.pages)
+            self.evictable_pages -= len(leaf.pages)
+            if not parent.children and parent.lock == 0 and not parent.is_root:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def flush(self) -> list[int]:
+        """Free every unlocked page."""
+        return self.evict(self.evictable_pages)
+
+    # ------------------------------------------------------------ inspection
+
+    def nodes(self) -> Iterator[Node]:
+        stack = [c for r in self.roots.values() for c in r.children.values()]
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def sequences(self, namespace: str) -> list[tuple[tuple[int, ...], list[int]]]:
+        """Every root-to-leaf path as (tokens, pages): the tree's content, for tests and oracles."""
+        out = []
+        stack = [(c, (), []) for c in self.root(namespace).children.values()]
+        while stack:
+            n, toks, pages = stack.pop()
+            toks, pages = toks + n.key, pages + n.pages
+            if not n.children:
+                out.append((toks, pages))
+            stack.extend((c, toks, pages) for c in n.children.values())
+        return out

@@ -1,0 +1,195 @@
+"""Property tests of the radix cache (PagePool + RadixTree) against a brute-force oracle.
+
+The oracle knows nothing of trees: it keeps {(namespace, page-aligned token prefix): page id} for
+everything inserted, and forgets the entries whose pages the tree evicted. After every operation the
+tree's content must equal the oracle's, every match must be the oracle's longest cached prefix,
+locked pages must still be cached, and every page must be in exactly one place."""
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from radixflow.services.radix.pool import PagePool
+from radixflow.shared.messages import Candidate, Progress, Release
+
+NAMESPACES = ["tenant-a", "tenant-b"]
+tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=14)   # tiny alphabet: prefixes collide often
+
+
+class PoolMachine(RuleBasedStateMachine):
+    PAGE = 1
+    PAGES = 24
+
+    def __init__(self):
+        super().__init__()
+        self.pool = PagePool(self.PAGES, self.PAGE)
+        self.oracle: dict[tuple[str, tuple[int, ...]], int] = {}
+        self.n = 0
+
+    # -------------------------------------------------------------- helpers
+
+    def tree_content(self) -> dict[tuple[str, tuple[int, ...]], int]:
+        out = {}
+        ps = self.PAGE
+        for ns in list(self.pool.tree.roots):
+            for toks, pages in self.pool.tree.sequences(ns):
+                for j in range(1, len(pages) + 1):
+                    out[(ns, toks[:j * ps])] = pages[j - 1]
+        return out
+
+    def oracle_match(self, ns: str, toks: list[int]) -> int:
+        best, ps = 0, self.PAGE
+        for j in range(1, len(toks) // ps + 1):
+            if (ns, tuple(toks[:j * ps])) in self.oracle:
+                best = j * ps
+        return best
+
+    def oracle_insert(self, ns: str, toks: list[int], pages: list[int]) -> None:
+        ps = self.PAGE
+        k = len(toks) // ps
+        for j in range(1, k + 1):
+            self.oracle.setdefault((ns, tuple(toks[:j * ps])), pages[j - 1])
+
+    def track(self, op):
+        """Run op; entries whose pages left the tree were evicted: the oracle forgets them."""
+        before = set(self.tree_content().values())
+        out = op()
+        gone = before - set(self.tree_content().values())
+        self.oracle = {k: v for k, v in self.oracle.items() if v not in gone}
+        return out
+
+    # -------------------------------------------------------------- operations
+
+    @rule(ns=st.sampled_from(NAMESPACES), toks=tokens_st, reserve=st.integers(0, 6))
+    def acquire(self, ns, toks, reserve):
+        rid = f"r{self.n}"
+        self.n += 1
+        want = self.oracle_match(ns, toks[:-1])
+        grants, deferred = self.track(lambda: self.pool.admit(
+            [Candidate(rid=rid, namespace=ns, token_ids=toks, reserve=reserve)], budget=10**6, max_admit=8))
+        if grants:
+            g = grants[0]
+            assert g.cached_tokens == want       # acquisition reuses exactly the longest cached prefix
+            assert len(g.pages) == -(-(len(toks) + reserve) // self.PAGE)
+            assert len(set(g.pages)) == len(g.pages)
+        else:
+            assert deferred[0].reason == "memory"
+
+    @precondition(lambda self: self.pool.held)
+    @rule(data=st.data())
+    def progress(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.pool.held)))
+        h = self.pool.held[rid]
+        computed = data.draw(st.integers(0, len(h.tokens)))
+        ns, toks, pages = h.namespace, list(h.tokens), list(h.pages)
+        self.track(lambda: self.pool.progress(Progress(rid=rid, computed=computed)))
+        k = computed // self.PAGE * self.PAGE
+        self.oracle_insert(ns, toks[:k], pages[:k // self.PAGE])
+
+    @precondition(lambda self: self.pool.held)
+    @rule(data=st.data(), out=st.lists(st.integers(0, 2), max_size=5))
+    def release(self, data, out):
+        rid = data.draw(st.sampled_from(sorted(self.pool.held)))
+        h = self.pool.held[rid]
+        full = h.tokens + out
+        capacity = len(h.pages) * self.PAGE
+        computed = data.draw(st.integers(0, min(len(full), capacity)))
+        ns, pages = h.namespace, list(h.pages)
+        self.track(lambda: self.pool.release(Release(rid=rid, output_ids=out, computed=computed)))
+        k = computed // self.PAGE * self.PAGE
+        self.oracle_insert(ns, full[:k], pages[:k // self.PAGE])
+
+    @rule(n=st.integers(1, 10))
+    def evict(self, n):
+        self.track(lambda: self.pool._release_pages(self.pool.tree.evict(n)))
+
+    @rule()
+    def flush(self):
+        locked = self.locked_pages()
+        self.track(self.pool.flush)
+        assert self.pool.tree.cached_pages == len(locked)     # everything unlocked went
+
+    @rule(ns=st.sampled_from(NAMESPACES), toks=tokens_st)
+    def match(self, ns, toks):
+        m = self.pool.tree.match(ns, toks, split=False)
+        assert m.length == self.oracle_match(ns, toks)
+        assert m.pages == [self.oracle[(ns, tuple(toks[:j * self.PAGE]))] for j in range(1, m.length // self.PAGE + 1)]
+
+    # -------------------------------------------------------------- invariants
+
+    def locked_pages(self) -> set[int]:
+        out = set()
+        for h in self.pool.held.values():
+            n = h.node
+            while n is not None:
+                out.update(n.pages)
+                n = n.parent
+        return out
+
+    @invariant()
+    def content_equals_oracle(self):
+        assert self.tree_content() == self.oracle
+
+    @invariant()
+    def locked_pages_stay_cached(self):
+        cached = set(self.tree_content().values())
+        assert self.locked_pages() <= cached
+
+    @invariant()
+    def pages_are_conserved(self):
+        pool = self.pool
+        free = pool._free
+        cached = set(self.tree_content().values())
+        private = {p for h in pool.held.values() for p in h.pages} - cached
+        assert len(free) == len(set(free))
+        assert not set(free) & cached and not set(free) & private
+        assert len(free) + len(cached) + len(private) == pool.num_pages
+        assert pool.tree.cached_pages == len(cached)
+        assert pool.free_pages + pool.private_pages + pool.tree.cached_pages == pool.num_pages
+        unlocked = {p for n in pool.tree.nodes() if n.lock == 0 for p in n.pages}
+        assert pool.tree.evictable_pages == len(unlocked)
+
+
+class PoolPage1(PoolMachine):
+    PAGE = 1
+    PAGES = 24
+
+
+class PoolPage4(PoolMachine):
+    PAGE = 4
+    PAGES = 16
+
+
+SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestPoolPage1 = PoolPage1.TestCase
+TestPoolPage1.settings = SETTINGS
+TestPoolPage4 = PoolPage4.TestCase
+TestPoolPage4.settings = SETTINGS
+
+
+def test_namespaces_never_share():
+    pool = PagePool(16, 2)
+    toks = [1, 2, 3, 4, 5, 6, 7]
+    g, _ = pool.admit([Candidate(rid="a", namespace="t1", token_ids=toks, reserve=1)], 10**6, 4)
+    pool.release(Release(rid="a", computed=7))
+    assert pool.match_len("t1", toks) == 6
+    assert pool.match_len("t2", toks) == 0
+    g, _ = pool.admit([Candidate(rid="b", namespace="t2", token_ids=toks, reserve=1)], 10**6, 4)
+    assert g[0].cached_tokens == 0
+
+
+def test_longest_prefix_first_and_shared_uncached_prefix_computed_once():
+    pool = PagePool(64, 2)
+    base = [9, 9, 8, 8, 7, 7]
+    g, _ = pool.admit([Candidate(rid="warm", namespace="n", token_ids=base + [1], reserve=0)], 10**6, 8)
+    pool.release(Release(rid="warm", computed=7))
+    cold = Candidate(rid="cold", namespace="n", token_ids=[5, 5, 5, 5, 1], reserve=0)
+    hot = Candidate(rid="hot", namespace="n", token_ids=base + [2, 2, 3], reserve=0)
+    twin = Candidate(rid="twin", namespace="n", token_ids=[5, 5, 5, 5, 2], reserve=0)
+    grants, deferred = pool.admit([cold, hot, twin], budget=10**6, max_admit=8)
+    assert [g.rid for g in grants] == ["hot", "cold"]           # longest cached prefix first
+    assert [(d.rid, d.reason) for d in deferred] == [("twin", "shared-prefix")]
+    pool.progress(Progress(rid="cold", computed=5))
+    grants, _ = pool.admit([twin], budget=10**6, max_admit=8)
+    assert grants[0].cached_tokens == 4                          # the twin now reuses what cold computed
