@@ -31,7 +31,7 @@ from . import log, messages, subjects
 from .bus import Bus
 from .config import ServiceConfig
 from .errors import BadRequest, from_exception
-from .messages import Heartbeat, Msg, StatusReply, StatusRequest
+from .messages import Heartbeat, MetricsReply, Msg, Sample, StatusReply, StatusRequest
 
 Handler = Callable[[Any], Awaitable[Msg | None]]
 
@@ -65,6 +65,7 @@ class Actor:
         self._started = False
         self.restarts = 0
         self.route(subjects.status(self.service), StatusRequest, self._on_status, queue=self.service)
+        self.route(subjects.METRICS, StatusRequest, self._on_metrics)
 
     # ------------------------------------------------------------ to override
 
@@ -82,6 +83,10 @@ class Actor:
 
     def heartbeat_detail(self) -> dict[str, Any]:
         return {}
+
+    def metrics(self) -> list[Sample]:
+        """Prometheus samples of this instance (served on rf.metrics, rendered by the gateway)."""
+        return []
 
     # ------------------------------------------------------------ wiring
 
@@ -184,6 +189,12 @@ class Actor:
 
     async def _on_status(self, _: StatusRequest) -> StatusReply:
         return StatusReply(service=self.service, instance=self.instance, ok=True, detail=self.status())
+
+    async def _on_metrics(self, _: StatusRequest) -> MetricsReply:
+        samples = self.metrics()
+        for s in samples:
+            s.labels = {"service": self.service, "instance": self.instance} | s.labels
+        return MetricsReply(service=self.service, instance=self.instance, samples=samples)
 
     async def _heartbeat(self) -> None:
         while True:

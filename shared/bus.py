@@ -116,6 +116,30 @@ class Bus:
             raise from_reply(out)
         return out
 
+    async def gather(self, subject: str, msg: Msg, reply: Any, *, window_s: float = 0.25) -> list[Any]:
+        """Scatter `msg` to every subscriber of `subject`; collect the answers that arrive within
+        `window_s` (errors and undecodable answers are skipped)."""
+        inbox = self.nc.new_inbox()
+        got: list[bytes] = []
+
+        async def on_reply(m: NatsMsg) -> None:
+            got.append(m.data)
+        sub = await self.nc.subscribe(inbox, cb=on_reply)
+        try:
+            await self.nc.publish(subject, self._encode(msg, subject), reply=inbox)
+            await asyncio.sleep(window_s)
+        finally:
+            await sub.unsubscribe()
+        out = []
+        for data in got:
+            try:
+                item = messages.decode(data, reply | ErrorReply)
+            except Exception:
+                continue
+            if not isinstance(item, ErrorReply):
+                out.append(item)
+        return out
+
     async def respond(self, request: NatsMsg, msg: Msg) -> None:
         """Answer a request; an oversize answer becomes a 413 ErrorReply instead of silence."""
         if not request.reply:

@@ -189,6 +189,7 @@ class SeqOutput(Msg):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    error_code: int = 500
 
 
 class StepOutput(Msg):
@@ -288,8 +289,22 @@ class RadixPlace(Msg):
 
 
 class RadixPlaceReply(Msg):
-    pool: str
-    cached_tokens: int
+    cached_tokens: dict[str, int]     # pool -> tokens it would reuse
+
+
+# ---------------------------------------------------------------- metrics
+
+
+class Sample(Msg):
+    name: str                         # without the radixflow_ prefix; *_total are counters
+    value: float
+    labels: dict[str, str] = {}
+
+
+class MetricsReply(Msg):
+    service: str
+    instance: str
+    samples: list[Sample]
 
 
 # ---------------------------------------------------------------- grammar (contracts; behaviour in the grammar issue)

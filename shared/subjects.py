@@ -8,7 +8,11 @@
     rf.tokenizer.info              req/reply, queue group "tokenizer"   StatusRequest -> TokenizerInfo
     rf.grammar.compile             req/reply, queue group "grammar"     GrammarCompile -> GrammarCompiled
     rf.grammar.fetch               req/reply, queue group "grammar"     GrammarFetch -> GrammarBlob
-    rf.radix.match / rf.radix.place  req/reply                          RadixMatch / RadixPlace
+    rf.radix.register              req/reply      RadixRegister -> RadixRegistered (an executor's pool)
+    rf.radix.pool.<id>.step        req/reply      RadixStep -> RadixStepReply (one per executor step)
+    rf.radix.place                 req/reply      RadixPlace -> RadixPlaceReply (cache-aware placement)
+    rf.radix.flush                 req/reply      RadixFlush -> RadixFlushed
+    rf.metrics                     scatter/gather StatusRequest -> MetricsReply from every instance
     rf.executor.<id>.submit        req/reply      ExecRequest -> ExecAccepted | ErrorReply
     rf.executor.<id>.abort         publish        AbortRequest
     rf.scheduler.<id>.output       publish        StepOutput (executor -> the scheduler that submitted)
@@ -26,8 +30,14 @@ TOKENIZER_DETOKENIZE = "rf.tokenizer.detokenize"
 TOKENIZER_INFO = "rf.tokenizer.info"
 GRAMMAR_COMPILE = "rf.grammar.compile"
 GRAMMAR_FETCH = "rf.grammar.fetch"
-RADIX_MATCH = "rf.radix.match"
+RADIX_REGISTER = "rf.radix.register"
 RADIX_PLACE = "rf.radix.place"
+RADIX_FLUSH = "rf.radix.flush"
+METRICS = "rf.metrics"
+
+
+def radix_step(pool: str) -> str:
+    return f"rf.radix.pool.{pool}.step"
 
 
 def status(service: str) -> str:

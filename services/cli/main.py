@@ -4,7 +4,7 @@
     radixflow service NAME --nats-url URL [--model DIR] ...          one service
     radixflow make-model PRESET DIR                                  a tiny HF checkpoint (tiny-dense, tiny-hybrid)
     radixflow schemas [--check]                                      write (or check) schemas/*.json
-    radixflow bench decode|latency [--model tiny-hybrid]             benchmarks beside their baselines
+    radixflow bench decode|latency|shared-prefix [--model ...]       benchmarks beside their baselines
 """
 from __future__ import annotations
 
@@ -101,13 +101,16 @@ def cmd_schemas(a: argparse.Namespace) -> int:
 def cmd_bench(a: argparse.Namespace) -> int:
     import json
     from radixflow.services.bench.common import resolve_model
-    model = resolve_model(a.model)
+    model = resolve_model(a.model or ("tiny-dense" if a.which == "shared-prefix" else "tiny-hybrid"))
     if a.which == "decode":
         from radixflow.services.bench.decode import run_decode
         out = run_decode(model, [int(b) for b in a.batch.split(",")], a.prompt_len, a.new_tokens)
     elif a.which == "latency":
         from radixflow.services.bench.decode import run_latency
         out = run_latency(model, a.prompt_len, a.repeats)
+    elif a.which == "shared-prefix":
+        from radixflow.services.bench.shared_prefix import run_shared_prefix
+        out = run_shared_prefix(model, a.preamble, a.suffix, a.requests, a.output_tokens, a.first_alone)
     else:
         print(f"unknown benchmark {a.which!r}", file=sys.stderr)
         return 2
@@ -137,8 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true")
     p.set_defaults(fn=cmd_schemas)
     p = sub.add_parser("bench", help="benchmarks, each beside its baseline in one run")
-    p.add_argument("which", help="decode | latency")
-    p.add_argument("--model", default="tiny-hybrid", help="a preset (tiny-dense, tiny-hybrid) or a model directory")
+    p.add_argument("which", help="decode | latency | shared-prefix")
+    p.add_argument("--model", default=None, help="a preset (tiny-dense, tiny-hybrid) or a model directory "
+                                                 "(default: tiny-dense for shared-prefix, else tiny-hybrid)")
+    p.add_argument("--preamble", type=int, default=3000, help="shared-prefix: preamble tokens")
+    p.add_argument("--suffix", type=int, default=100, help="shared-prefix: suffix tokens per request")
+    p.add_argument("--requests", type=int, default=40, help="shared-prefix: number of requests")
+    p.add_argument("--output-tokens", type=int, default=8, help="shared-prefix: tokens generated per request")
+    p.add_argument("--first-alone", action="store_true", help="shared-prefix: send the first request before the rest")
     p.add_argument("--batch", default="1,16", help="decode: comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)

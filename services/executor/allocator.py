@@ -1,8 +1,5 @@
-"""Free lists for KV pages and state slots.
-
-In this executor-local form every sequence owns its pages privately. The radix issue moves the
-authority over which pages are free to the radix service; the batcher talks to this interface only.
-"""
+"""A free list of integer ids: the executor's DeltaNet state slots (KV pages belong to the radix
+service, see pages.py)."""
 from __future__ import annotations
 
 

@@ -1,15 +1,20 @@
 """Batcher: which sequences run in the next step (continuous batching). No torch here.
 
-A step is either a prefill of newly admitted sequences (under a token budget) or a decode of every
-running sequence. A sequence is admitted only when all the pages it can ever need (prompt plus
-max_new_tokens) and a state slot are granted, so decode never runs out of memory mid-flight.
+    waiting --(RadixStep: granted pages)--> running: prefilling (chunked) -> decoding -> finished
+                                                        \\ progress            \\ release
+
+Admission is decided by the page authority (radix): longest cached prefix first, all-or-nothing,
+pages for the prompt plus every token the request may generate reserved up front, so a running
+request never needs a page mid-flight. Each step is either a prefill (chunks of prefilling
+sequences under the token budget) or a decode of every sequence past its prompt.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 
-from .allocator import FreeList, pages_for
+from radixflow.shared.messages import Candidate, Grant, Progress, RadixStep, Release
+
 from .sequence import Sequence, Status
 
 
@@ -21,66 +26,86 @@ class Plan:
 
 
 class Batcher:
-    def __init__(self, *, page_size: int, pages: FreeList, state_slots: FreeList | None,
-                 max_running: int, max_prefill_tokens: int):
-        self.page_size = page_size
-        self.pages = pages
-        self.state_slots = state_slots
+    def __init__(self, *, pool: str, max_running: int, max_prefill_tokens: int, max_candidates: int = 128):
+        self.pool = pool
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_candidates = max_candidates
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-
-    def fits_ever(self, seq: Sequence) -> bool:
-        return pages_for(seq.max_len, self.page_size) <= self.pages.total
+        self.progress: list[Progress] = []
+        self.releases: list[Release] = []
+        self._retry = False      # something changed since the last deferral: worth asking again
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self._retry = True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.running or self.progress or self.releases or (self.waiting and self._retry))
+
+    # ------------------------------------------------------------ the radix exchange
+
+    def radix_message(self) -> RadixStep | None:
+        """This step's one message to the page authority, or None when there is nothing to say."""
+        cands = []
+        slots = self.max_running - len(self.running)
+        if self._retry and slots > 0:
+            cands = [Candidate(rid=s.rid, namespace=s.namespace, token_ids=s.tokens, reserve=s.sampling.max_new_tokens)
+                     for s in list(self.waiting)[: self.max_candidates]]
+        if not (cands or self.progress or self.releases):
+            return None
+        busy = sum(s.prompt_len - s.computed_len for s in self.running if s.computed_len < s.prompt_len)
+        msg = RadixStep(pool=self.pool, budget=max(self.max_prefill_tokens - busy, 0), max_admit=slots,
+                        candidates=cands, progress=self.progress, releases=self.releases)
+        self.progress, self.releases = [], []
+        return msg
+
+    def apply(self, grants: list[Grant], retry: bool) -> list[Sequence]:
+        by_rid = {s.rid: s for s in self.waiting}
+        started = []
+        for g in grants:
+            seq = by_rid[g.rid]
+            self.waiting.remove(seq)
+            seq.pages, seq.cached_len, seq.computed_len = g.pages, g.cached_tokens, g.cached_tokens
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            started.append(seq)
+        self._retry = retry
+        return started
+
+    # ------------------------------------------------------------ planning
 
     def schedule(self) -> Plan | None:
-        admitted: list[Sequence] = []
-        budget = self.max_prefill_tokens
-        while self.waiting and len(self.running) + len(admitted) < self.max_running:
-            seq = self.waiting[0]
-            extend = len(seq.tokens) - seq.computed_len
-            if admitted and extend > budget:
-                break
-            if not self._grant(seq):
-                break
-            self.waiting.popleft()
-            seq.status = Status.RUNNING
-            admitted.append(seq)
-            budget -= extend
-        if admitted:
-            self.running.extend(admitted)
-            return Plan(False, admitted, [len(s.tokens) - s.computed_len for s in admitted])
+        prefill, budget = [], self.max_prefill_tokens
+        for s in self.running:
+            if s.computed_len < s.prompt_len and budget > 0:
+                n = min(s.prompt_len - s.computed_len, budget)
+                prefill.append((s, n))
+                budget -= n
+        if prefill:
+            return Plan(False, [s for s, _ in prefill], [n for _, n in prefill])
         if self.running:
             return Plan(True, list(self.running), [1] * len(self.running))
         return None
 
-    def _grant(self, seq: Sequence) -> bool:
-        need = pages_for(seq.max_len, self.page_size) - len(seq.pages)
-        if need > self.pages.num_free:
-            return False
-        if self.state_slots is not None and seq.state_slot < 0:
-            slot = self.state_slots.alloc(1)
-            if slot is None:
-                return False
-            seq.state_slot = slot[0]
-        seq.pages += self.pages.alloc(need) or []
-        return True
+    # ------------------------------------------------------------ ends
 
-    def release(self, seq: Sequence) -> None:
-        """Return a finished or aborted sequence's memory."""
+    def finish(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out; its pages go back through the next release."""
         if seq in self.running:
             self.running.remove(seq)
+            self.releases.append(Release(rid=seq.rid, output_ids=seq.output_ids, computed=seq.computed_len))
+            self._retry = True
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.pages.free(seq.pages)
         seq.pages = []
-        if self.state_slots is not None and seq.state_slot >= 0:
-            self.state_slots.free([seq.state_slot])
-            seq.state_slot = -1
+
+    def fail_all(self) -> list[Sequence]:
+        """The authority lost our pages: everything in flight is lost with them."""
+        lost = list(self.running) + list(self.waiting)
+        self.running.clear()
+        self.waiting.clear()
+        self.progress.clear()
+        self.releases.clear()
+        return lost

@@ -1,8 +1,9 @@
-"""Engine: the executor's core loop as a plain class. A step reads as three verbs:
+"""Engine: the executor's core loop as a plain class. A step reads as:
 
-    plan = batcher.schedule()      which sequences run
+    self._exchange()               one message with the page authority: releases, progress, admissions
+    plan = batcher.schedule()      which sequences run (prefill chunks, or a decode of all)
     toks = runner.run(plan)        compute and sample
-    outs = self._postprocess(...)  append tokens, finish sequences, free their memory
+    outs = self._postprocess(...)  append tokens, report progress, finish sequences
 
 `add` and `abort` may be called from another thread (the service's event loop) while `step` runs in
 the compute thread; they are queued and applied at the start of the next step.
@@ -12,11 +13,12 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from radixflow.shared.errors import BadRequest
-from radixflow.shared.messages import ExecRequest, SeqOutput
+from radixflow.shared.errors import BadRequest, NotFound, RadixflowError
+from radixflow.shared.messages import ExecRequest, Progress, SeqOutput
 
 from .allocator import FreeList, pages_for
 from .batcher import Batcher, Plan
+from .pages import LocalPages, PageAuthority
 from .runner import ModelRunner
 from .sequence import Sequence, Status
 
@@ -30,27 +32,38 @@ class EngineConfig:
     max_model_len: int = 0           # 0: the model's max_position_embeddings
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192
+    disable_radix_cache: bool = False
+    pool: str = "local"
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, pages: PageAuthority | None = None):
         from .models import ModelSpec
         spec = ModelSpec.from_dir(cfg.model)
+        self.cfg = cfg
         self.max_model_len = min(cfg.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
         total = cfg.max_total_tokens or max(131072, 2 * self.max_model_len)
-        num_pages = pages_for(total, cfg.page_size)
+        self.page_size = cfg.page_size
+        self.num_pages = pages_for(total, cfg.page_size)
         num_slots = cfg.max_running_requests + 1
         self.runner = ModelRunner(cfg.model, device=cfg.device, page_size=cfg.page_size,
-                                  num_pages=num_pages, num_state_slots=num_slots)
+                                  num_pages=self.num_pages, num_state_slots=num_slots)
         self.spec = self.runner.spec
-        self.batcher = Batcher(page_size=cfg.page_size, pages=FreeList(num_pages),
-                               state_slots=FreeList(num_slots) if self.spec.is_hybrid else None,
-                               max_running=cfg.max_running_requests, max_prefill_tokens=cfg.max_prefill_tokens)
+        # Until hybrid state checkpoints exist, a hybrid prefix cannot be resumed from KV alone:
+        # sharing is off for hybrid models rather than wrong.
+        self.cache = not cfg.disable_radix_cache and not self.spec.is_hybrid
+        self.pages = pages or LocalPages()
+        self.pages.register(self.num_pages, cfg.page_size, self.cache)
+        self.state_slots = FreeList(num_slots) if self.spec.is_hybrid else None
+        self.batcher = Batcher(pool=cfg.pool, max_running=cfg.max_running_requests,
+                               max_prefill_tokens=cfg.max_prefill_tokens)
         self._lock = threading.Lock()
         self._new: list[Sequence] = []
         self._aborts: set[str] = set()
         self._live: dict[str, Sequence] = {}
         self.steps = 0
+        self.counters = {"prompt_tokens_total": 0, "cached_tokens_total": 0, "prefill_tokens_computed_total": 0,
+                         "generated_tokens_total": 0, "requests_total": 0}
 
     # ------------------------------------------------------------ intake (any thread)
 
@@ -64,9 +77,9 @@ class Engine:
         if n + req.sampling.max_new_tokens > self.max_model_len:
             raise BadRequest(f"prompt ({n} tokens) plus max_new_tokens ({req.sampling.max_new_tokens}) exceeds the "
                              f"context length of {self.max_model_len} tokens", param="max_new_tokens")
-        if pages_for(n + req.sampling.max_new_tokens, self.batcher.page_size) > self.batcher.pages.total:
+        if pages_for(n + req.sampling.max_new_tokens, self.page_size) > self.num_pages:
             raise BadRequest(f"request needs {n + req.sampling.max_new_tokens} tokens of KV; the pool holds "
-                             f"{self.batcher.pages.total * self.batcher.page_size}", param="max_new_tokens")
+                             f"{self.num_pages * self.page_size}", param="max_new_tokens")
 
     def add(self, req: ExecRequest) -> None:
         self.validate(req)
@@ -87,11 +100,6 @@ class Engine:
             return bool(self._new or self._aborts or self.batcher.has_work())
 
     @property
-    def live_rids(self) -> list[str]:
-        with self._lock:
-            return list(self._live) + [s.rid for s in self._new]
-
-    @property
     def num_running(self) -> int:
         return len(self.batcher.running)
 
@@ -99,11 +107,15 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.batcher.waiting) + len(self._new)
 
+    def stats(self) -> dict[str, int]:
+        return dict(self.counters) | {"running": self.num_running, "waiting": self.num_waiting, "steps": self.steps}
+
     # ------------------------------------------------------------ the loop (compute thread)
 
     def step(self) -> list[tuple[str, SeqOutput]]:
         """One step; returns (output subject, output) for every sequence that advanced or ended."""
         outs = self._intake()
+        outs += self._exchange()
         plan = self.batcher.schedule()
         if plan is None:
             return outs
@@ -124,17 +136,47 @@ class Engine:
             seq = self._live.get(rid)
             if seq is not None:
                 seq.finish("abort")
-                outs.append(self._finish(seq, []))
+                outs.append(self._finish(seq, seq.output_ids[seq.reported:]))
         return outs
+
+    def _exchange(self) -> list[tuple[str, SeqOutput]]:
+        msg = self.batcher.radix_message()
+        if msg is None:
+            return []
+        try:
+            reply = self.pages.step(msg)
+        except NotFound:
+            # the authority restarted and forgot our pool: every page we hold may be handed out again
+            lost = self.batcher.fail_all()
+            self.pages.register(self.num_pages, self.page_size, self.cache)
+            return [self._error(s, 503, "the radix service restarted; the request's KV was lost") for s in lost]
+        except RadixflowError as e:
+            cands = {c.rid for c in msg.candidates}
+            lost = [s for s in self.batcher.waiting if s.rid in cands]
+            return [self._error(s, e.code, f"no KV pages: {e.message}") for s in lost]
+        started = self.batcher.apply(reply.grants, retry=any(d.reason in ("budget", "shared-prefix")
+                                                             for d in reply.deferred))
+        for s in started:
+            self.counters["prompt_tokens_total"] += s.prompt_len
+            self.counters["cached_tokens_total"] += s.cached_len
+            self.counters["requests_total"] += 1
+            if self.state_slots is not None:
+                s.state_slot = self.state_slots.alloc(1)[0]   # max_running + 1 slots: never short
+        return []
 
     def _postprocess(self, plan: Plan, toks: dict[int, int]) -> list[tuple[str, SeqOutput]]:
         outs = []
         for i, (seq, ext) in enumerate(zip(plan.seqs, plan.extend_lens)):
             seq.computed_len += ext
+            if not plan.is_decode:
+                self.counters["prefill_tokens_computed_total"] += ext
+                if self.cache and seq.computed_len <= seq.prompt_len:
+                    self.batcher.progress.append(Progress(rid=seq.rid, computed=seq.computed_len))
             if i not in toks:
                 continue
             t = toks[i]
             seq.tokens.append(t)
+            self.counters["generated_tokens_total"] += 1
             if t in seq.stop_ids:
                 seq.finish("stop", t)
             elif seq.num_output >= seq.sampling.max_new_tokens or len(seq.tokens) >= self.max_model_len:
@@ -152,9 +194,18 @@ class Engine:
                                              cached_tokens=seq.cached_len)
 
     def _finish(self, seq: Sequence, new: list[int]) -> tuple[str, SeqOutput]:
-        self.batcher.release(seq)
+        self.batcher.finish(seq)
+        if self.state_slots is not None and seq.state_slot >= 0:
+            self.state_slots.free([seq.state_slot])
+            seq.state_slot = -1
         with self._lock:
             self._live.pop(seq.rid, None)
         subject, out = self._output(seq, new)
         out.finished, out.finish_reason, out.matched_stop = True, seq.finish_reason, seq.matched_stop
+        return subject, out
+
+    def _error(self, seq: Sequence, code: int, message: str) -> tuple[str, SeqOutput]:
+        seq.finish("error")
+        subject, out = self._finish(seq, [])
+        out.error, out.error_code = message, code
         return subject, out

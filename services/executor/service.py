@@ -23,9 +23,11 @@ from radixflow.shared import subjects
 from radixflow.shared.actor import Actor
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import ExecutorConfig, ServiceConfig
-from radixflow.shared.messages import AbortRequest, ExecAccepted, ExecRequest, ExecutorInfo, Heartbeat, SeqOutput, StepOutput
+from radixflow.shared.messages import (AbortRequest, ExecAccepted, ExecRequest, ExecutorInfo, Heartbeat, Sample,
+                                       SeqOutput, StepOutput)
 
 from .engine import Engine, EngineConfig
+from .pages import RemotePages
 
 
 class ExecutorService(Actor):
@@ -53,9 +55,11 @@ class ExecutorService(Actor):
             torch.set_num_threads(cfg.num_threads)
         ecfg = EngineConfig(model=cfg.model, device=cfg.device, page_size=cfg.page_size,
                             max_total_tokens=cfg.max_total_tokens, max_model_len=cfg.max_model_len,
-                            max_running_requests=cfg.max_running_requests, max_prefill_tokens=cfg.max_prefill_tokens)
+                            max_running_requests=cfg.max_running_requests, max_prefill_tokens=cfg.max_prefill_tokens,
+                            disable_radix_cache=cfg.disable_radix_cache, pool=self.instance)
         loop = asyncio.get_running_loop()
-        self.engine = await loop.run_in_executor(self._thread, Engine, ecfg)
+        pages = RemotePages(self.bus, loop, self.instance)
+        self.engine = await loop.run_in_executor(self._thread, Engine, ecfg, pages)
         self._running.set()
         self.spawn("compute", self._compute_loop)
         self.spawn("publisher", self._publisher)
@@ -146,4 +150,12 @@ class ExecutorService(Actor):
         return msgspec.to_builtins(self.info())
 
     def status(self) -> dict:
-        return self.heartbeat_detail() | {"steps": self.engine.steps if self.engine else 0}
+        return self.heartbeat_detail() | (self.engine.stats() if self.engine else {})
+
+    def metrics(self) -> list[Sample]:
+        if self.engine is None:
+            return []
+        st = self.engine.stats()
+        names = ("prompt_tokens_total", "cached_tokens_total", "prefill_tokens_computed_total",
+                 "generated_tokens_total", "requests_total", "running", "waiting")
+        return [Sample(name=n if n.endswith("_total") else f"requests_{n}", value=st[n]) for n in names]

@@ -15,7 +15,8 @@ from aiohttp import web
 from radixflow.shared import log, subjects
 from radixflow.shared.bus import Bus
 from radixflow.shared.errors import BadRequest, NotFound, RadixflowError, ServiceUnavailable, Unauthorized
-from radixflow.shared.messages import Accepted, GenerateRequest, StatusReply, StatusRequest, StreamChunk
+from radixflow.shared.messages import (Accepted, GenerateRequest, MetricsReply, RadixFlush, RadixFlushed, StatusReply,
+                                       StatusRequest, StreamChunk)
 from radixflow.shared.validate import check_request
 
 from . import protocol as P
@@ -273,6 +274,29 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok" if healthy else "unavailable", "services": ok}, status=200 if healthy else 503)
 
 
+async def flush_cache(request: web.Request) -> web.Response:
+    """Empty every unlocked KV page of every pool (what running requests hold stays)."""
+    _tenant(request)
+    out = await request.app[BUS].request(subjects.RADIX_FLUSH, RadixFlush(), RadixFlushed, timeout=10)
+    return web.json_response({"message": "cache flushed", "freed_pages": out.freed_pages})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text: every instance's samples, gathered over the bus."""
+    replies = await request.app[BUS].gather(subjects.METRICS, StatusRequest(), MetricsReply, window_s=0.2)
+    by_name: dict[str, list[str]] = {}
+    for r in sorted(replies, key=lambda r: (r.service, r.instance)):
+        for s in r.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            by_name.setdefault(s.name, []).append(f"radixflow_{s.name}{{{labels}}} {s.value:g}")
+    lines = []
+    for name in sorted(by_name):
+        lines.append(f"# TYPE radixflow_{name} {'counter' if name.endswith('_total') else 'gauge'}")
+        lines.extend(by_name[name])
+    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
+                        headers={"X-Content-Type-Options": "nosniff"})
+
+
 def make_app(bus: Bus, client: EngineClient, config: Any) -> web.Application:
     app = web.Application(middlewares=[errors], client_max_size=64 * 1024 * 1024)
     app[BUS], app[CLIENT], app[CONFIG], app[DRAINING] = bus, client, config, asyncio.Event()
@@ -281,4 +305,6 @@ def make_app(bus: Bus, client: EngineClient, config: Any) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_get("/metrics", metrics)
     return app

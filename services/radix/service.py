@@ -1,15 +1,24 @@
-"""Radix service: will own the radix trees and the page / state-slot allocators of every executor
-pool (the radix issue). Today it tracks the executor pools it would serve and answers status; the
-message contracts (RadixMatch, RadixPlace) are defined in shared/messages.py."""
+"""Radix service: the single authority over the KV pages of every executor pool. A thin shell
+around one PagePool per executor (pool.py); an executor registers its pool, then sends one
+RadixStep per scheduling step. Pools of executors that stop beating are dropped.
+
+Run exactly one radix instance: the pools are its state."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 from radixflow.shared import subjects
 from radixflow.shared.actor import Actor
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import ServiceConfig
-from radixflow.shared.messages import Heartbeat
+from radixflow.shared.errors import BadRequest, NotFound
+from radixflow.shared.messages import (Heartbeat, RadixFlush, RadixFlushed, RadixPlace, RadixPlaceReply, RadixRegister,
+                                       RadixRegistered, RadixStep, RadixStepReply, Sample)
+
+from .pool import PagePool
+
+POOL_TIMEOUT_S = 10.0     # an executor silent this long is gone; its pool with it
 
 
 class RadixService(Actor):
@@ -17,12 +26,60 @@ class RadixService(Actor):
 
     def __init__(self, bus: Bus, service_config: ServiceConfig | None = None, instance: str | None = None):
         super().__init__(bus, service_config, instance)
-        self.pools: dict[str, float] = {}
+        self.pools: dict[str, PagePool] = {}
+        self.seen: dict[str, float] = {}
+        self.route(subjects.RADIX_REGISTER, RadixRegister, self.register)
+        self.route(subjects.radix_step("*"), RadixStep, self.step)
+        self.route(subjects.RADIX_FLUSH, RadixFlush, self.flush)
+        self.route(subjects.RADIX_PLACE, RadixPlace, self.place)
         self.route(subjects.heartbeat("executor"), Heartbeat, self.on_executor)
 
+    async def on_start(self) -> None:
+        self.spawn("reaper", self._reap)
+
+    async def register(self, req: RadixRegister) -> RadixRegistered:
+        if req.num_pages <= 0 or req.page_size <= 0:
+            raise BadRequest("num_pages and page_size must be positive")
+        self.pools[req.pool] = PagePool(req.num_pages, req.page_size, req.cache)
+        self.seen[req.pool] = time.monotonic()
+        self.log.info("pool registered", pool=req.pool, pages=req.num_pages, page_size=req.page_size, cache=req.cache)
+        return RadixRegistered(pool=req.pool)
+
+    async def step(self, req: RadixStep) -> RadixStepReply:
+        pool = self.pools.get(req.pool)
+        if pool is None:
+            raise NotFound(f"unknown pool {req.pool!r}: register first")
+        self.seen[req.pool] = time.monotonic()
+        return pool.step(req)
+
+    async def flush(self, req: RadixFlush) -> RadixFlushed:
+        names = list(self.pools) if req.pool is None else [req.pool]
+        return RadixFlushed(freed_pages=sum(self.pools[n].flush() for n in names if n in self.pools))
+
+    async def place(self, req: RadixPlace) -> RadixPlaceReply:
+        return RadixPlaceReply(cached_tokens={p: self.pools[p].match_len(req.namespace, req.token_ids)
+                                              for p in req.pools if p in self.pools})
+
     async def on_executor(self, hb: Heartbeat) -> None:
-        self.pools[hb.instance] = time.monotonic()
+        if hb.instance in self.pools:
+            self.seen[hb.instance] = time.monotonic()
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for p in [p for p, t in self.seen.items() if now - t > POOL_TIMEOUT_S]:
+                self.pools.pop(p, None)
+                self.seen.pop(p, None)
+                self.log.warning("pool dropped: its executor stopped beating", pool=p)
 
     def status(self) -> dict:
-        now = time.monotonic()
-        return {"pools": sorted(p for p, t in self.pools.items() if now - t < 5.0)}
+        return {"pools": {name: pool.stats() for name, pool in self.pools.items()}}
+
+    def metrics(self) -> list[Sample]:
+        out = []
+        for name, pool in self.pools.items():
+            st = pool.stats()
+            for key in ("kv_pages_used", "kv_pages_total", "kv_pages_evictable", "kv_pages_cached", "evicted_pages_total"):
+                out.append(Sample(name=key, value=st[key], labels={"pool": name}))
+        return out

@@ -158,7 +158,8 @@ class SchedulerService(Actor):
             t.prefix_offset, t.read_offset = d.prefix_offset, d.read_offset
             text, hit = t.stops.feed(d.text, final=o.finished)
             if o.error:
-                await self._fail(t, 500, "internal_error", o.error)
+                await self._fail(t, o.error_code, "service_unavailable" if o.error_code == 503 else "internal_error",
+                                 o.error)
             elif hit is not None:
                 t.stopping = True
                 await self._end(t, text, o.token_ids, "stop", hit)

@@ -1,0 +1,72 @@
+"""PageAuthority: how an executor gets KV pages. The radix service is the single authority over
+which pages are free; the executor asks once per step (all admissions, progress and releases of
+that step in one RadixStep) and never frees a page on its own.
+
+Two siblings with one contract: LocalPages runs the PagePool in-process (the bus-free Engine, and
+tests); RemotePages asks the radix service over NATS, blocking the compute thread, never the loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from abc import ABC, abstractmethod
+
+from radixflow.services.radix.pool import PagePool
+from radixflow.shared import subjects
+from radixflow.shared.errors import ServiceUnavailable
+from radixflow.shared.messages import RadixRegister, RadixRegistered, RadixStep, RadixStepReply
+
+
+class PageAuthority(ABC):
+    @abstractmethod
+    def register(self, num_pages: int, page_size: int, cache: bool) -> None:
+        """(Re)create this executor's pool: every page free, nothing cached, nothing held."""
+
+    @abstractmethod
+    def step(self, msg: RadixStep) -> RadixStepReply:
+        """Apply releases, then progress, then admit candidates (all-or-nothing each). Raises a
+        RadixflowError when the authority cannot be reached; NotFound when it lost this pool."""
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+
+class LocalPages(PageAuthority):
+    def __init__(self) -> None:
+        self.pool: PagePool | None = None
+
+    def register(self, num_pages: int, page_size: int, cache: bool) -> None:
+        self.pool = PagePool(num_pages, page_size, cache)
+
+    def step(self, msg: RadixStep) -> RadixStepReply:
+        return self.pool.step(msg)
+
+    def stats(self) -> dict[str, int]:
+        return self.pool.stats() if self.pool else {}
+
+
+class RemotePages(PageAuthority):
+    """Called from the compute thread; the request runs on the service's event loop."""
+
+    def __init__(self, bus, loop: asyncio.AbstractEventLoop, pool: str, timeout_s: float = 10.0):
+        self.bus, self.loop, self.pool, self.timeout_s = bus, loop, pool, timeout_s
+
+    def _call(self, subject: str, msg, reply):
+        fut = asyncio.run_coroutine_threadsafe(self.bus.request(subject, msg, reply, timeout=self.timeout_s), self.loop)
+        return fut.result(self.timeout_s + 1)
+
+    def register(self, num_pages: int, page_size: int, cache: bool, wait_s: float = 30.0) -> None:
+        """Register, waiting (bounded) for the radix service to come up: services start in any order."""
+        deadline = time.monotonic() + wait_s
+        msg = RadixRegister(pool=self.pool, num_pages=num_pages, page_size=page_size, cache=cache)
+        while True:
+            try:
+                self._call(subjects.RADIX_REGISTER, msg, RadixRegistered)
+                return
+            except ServiceUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def step(self, msg: RadixStep) -> RadixStepReply:
+        return self._call(subjects.radix_step(self.pool), msg, RadixStepReply)
