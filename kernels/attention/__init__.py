@@ -1,5 +1,7 @@
 """Attention over a paged KV pool: pure-torch references in `naive`."""
 
+from .cascade import SharedPrefix, attend_lse, cascade_decode, cascade_prefill, merge
 from .naive import decode_attention, prefill_attention, write_kv
 
-__all__ = ["decode_attention", "prefill_attention", "write_kv"]
+__all__ = ["SharedPrefix", "attend_lse", "cascade_decode", "cascade_prefill", "decode_attention", "merge",
+           "prefill_attention", "write_kv"]

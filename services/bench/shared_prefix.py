@@ -32,6 +32,8 @@ async def _side(model: str, pre, sufs, out_tokens: int, cache: bool, first_alone
             while not done.is_set():
                 peak = max([peak] + [p.num_pages - p.free_pages for p in radix.pools.values()])
                 await asyncio.sleep(0.005)
+        # warm up (first-call allocations), identically on both sides, with tokens outside the workload
+        await generate(http, base, {"input_ids": list(range(5, 69)), "sampling_params": {"max_new_tokens": 2}})
         sampler = asyncio.create_task(sample())
         body = lambda s: {"input_ids": pre + s, "sampling_params": {"max_new_tokens": out_tokens, "temperature": 0,
                                                                      "ignore_eos": True}}

@@ -12,9 +12,11 @@ Invariant (hybrid): state slot `state_slots[i]` holds the DeltaNet state after e
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from radixflow.kernels.attention import SharedPrefix
 
 
 @dataclass
@@ -30,6 +32,10 @@ class ForwardBatch:
     logits_rows: torch.Tensor        # [M] int64: packed rows whose next-token logits are wanted
     slot_table: torch.Tensor | None = None   # decode: [N, Lmax] padded seq_slots
     seq_lens: torch.Tensor | None = None     # decode: [N]
+    # cascade attention: prefixes whose pages several sequences share (read once per step)
+    groups: list[SharedPrefix] = field(default_factory=list)
+    own_table: torch.Tensor | None = None    # decode with groups: [N, Lmax] slots after the shared prefix
+    own_lens: torch.Tensor | None = None     # decode with groups: [N]
 
     @property
     def num_seqs(self) -> int:

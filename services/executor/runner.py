@@ -6,6 +6,8 @@ import torch
 
 from . import sampler
 from .batcher import Plan
+from radixflow.kernels.attention import SharedPrefix
+
 from .forward_batch import ForwardBatch
 from .memory import KVPool, MemoryPlan, StatePool
 from .models import CausalLM, ModelSpec, load_model
@@ -20,6 +22,35 @@ def pick_device(name: str) -> torch.device:
 def pick_dtype(device: torch.device) -> torch.dtype:
     # CPU kernels are fastest and exact in fp32; GPUs serve in bf16 like every engine does
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+MIN_SHARED_TOKENS = 64   # below this, reading a prefix per sequence costs less than splitting
+
+
+def shared_prefixes(tables: list[list[int]], limits: list[int], page_size: int,
+                    device: torch.device) -> list[SharedPrefix]:
+    """Groups of sequences whose page tables start with the same pages (what radix matches hand
+    out), with the longest such prefix within every member's `limit` tokens."""
+    by_first: dict[int, list[int]] = {}
+    for i, (t, lim) in enumerate(zip(tables, limits)):
+        if t and lim >= page_size:
+            by_first.setdefault(t[0], []).append(i)
+    groups = []
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        n = min(limits[i] for i in members) // page_size
+        first = tables[members[0]]
+        for i in members[1:]:
+            t, k = tables[i], 0
+            while k < n and t[k] == first[k]:
+                k += 1
+            n = k
+        if n * page_size >= MIN_SHARED_TOKENS:
+            pages = torch.tensor(first[:n], dtype=torch.int64)
+            slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten().to(device)
+            groups.append(SharedPrefix(seqs=members, slots=slots))
+    return groups
 
 
 class ModelRunner:
@@ -61,9 +92,20 @@ class ModelRunner:
             seq_slots=[s.to(dev) for s in seq_slots],
             state_slots=torch.tensor([s.state_slot for s in plan.seqs], dtype=torch.int64, device=dev),
             logits_rows=torch.tensor(rows, dtype=torch.int64, device=dev))
+        # a shared prefix lies within what every member computed before this step
+        limits = [s.computed_len - (1 if plan.is_decode else 0) for s in plan.seqs]
+        fb.groups = shared_prefixes([s.pages for s in plan.seqs], limits, self.kv.page_size, dev)
         if plan.is_decode:
             fb.seq_lens = torch.tensor([len(s) for s in seq_slots], dtype=torch.int64, device=dev)
             fb.slot_table = torch.nn.utils.rnn.pad_sequence(seq_slots, batch_first=True).to(dev)
+            if fb.groups:
+                start = [0] * len(seq_slots)
+                for g in fb.groups:
+                    for i in g.seqs:
+                        start[i] = len(g.slots)
+                own = [sl[st:] for sl, st in zip(seq_slots, start)]
+                fb.own_lens = torch.tensor([len(o) for o in own], dtype=torch.int64, device=dev)
+                fb.own_table = torch.nn.utils.rnn.pad_sequence(own, batch_first=True).to(dev)
         return fb, want
 
     def run(self, plan: Plan) -> dict[int, int]:

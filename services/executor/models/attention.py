@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixflow.kernels.attention import decode_attention, prefill_attention, write_kv
+from radixflow.kernels.attention import (cascade_decode, cascade_prefill, decode_attention, prefill_attention,
+                                         write_kv)
 
 from ..forward_batch import ForwardBatch
 from .layers import RMSNorm, Rotary
@@ -38,7 +39,12 @@ class Attention(nn.Module):
         k = self.rotary(self.k_norm(k.reshape(T, self.hkv, self.d)), batch.positions)     # [T, Hkv, D]
         v = v.reshape(T, self.hkv, self.d)
         write_kv(k_cache, v_cache, batch.out_slots, k, v)
-        if batch.is_decode:
+        if batch.groups and batch.is_decode:
+            o = cascade_decode(q, k_cache, v_cache, batch.own_table, batch.own_lens, batch.groups, self.scale)
+        elif batch.groups:
+            o = cascade_prefill(q, k_cache, v_cache, batch.bounds(), batch.seq_slots, batch.prefix_lens,
+                                batch.groups, self.scale)
+        elif batch.is_decode:
             o = decode_attention(q, k_cache, v_cache, batch.slot_table, batch.seq_lens, self.scale)
         else:
             o = torch.empty_like(q)

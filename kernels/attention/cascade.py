@@ -1,0 +1,125 @@
+"""Cascade attention: a prefix shared by several sequences of a batch is read once.
+
+RadixAttention hands every request that matched the same cached prefix the same pages, so in a
+batch many sequences' page tables start identically. Attention splits at the end of that shared
+prefix and the two parts are merged exactly through their log-sum-exp:
+
+    seq i:  [ shared prefix (same pages for the whole group) | own tokens ]
+    o_i  =  merge( attend(q_i, K_shared), attend(q_i, K_own_i) )
+
+The shared part becomes one large matmul for all the group's queries (no mask: every query comes
+after the whole prefix) instead of one gather of the prefix per sequence.
+
+`attend_lse` has two siblings with one signature: `_attend_ref` (pure torch, always there) and
+`_attend_flash` (the CPU flash-attention op, which also returns the LSE).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SharedPrefix", "attend_lse", "merge", "cascade_prefill", "cascade_decode"]
+
+
+@dataclass
+class SharedPrefix:
+    seqs: list[int]          # indices (into the batch) of the sequences sharing the prefix
+    slots: torch.Tensor      # [S] int64 slots of the shared tokens (the first S tokens of each)
+
+
+def _attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                q_pos: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k/v [S, Hkv, D]; key j is visible to query t iff q_pos is None or j <= q_pos[t].
+    Returns o [T, Hq, D] fp32 and lse [T, Hq] fp32 (natural log of the softmax denominator)."""
+    T, Hq, D = q.shape
+    S, Hkv, _ = k.shape
+    G = Hq // Hkv
+    qf = q.float().reshape(T, Hkv, G, D).permute(1, 0, 2, 3).reshape(Hkv, T * G, D)   # [Hkv, T*G, D]
+    s = torch.bmm(qf, k.float().permute(1, 2, 0)) * scale                               # [Hkv, T*G, S]
+    if q_pos is not None:
+        visible = torch.arange(S, device=q.device)[None, :] <= q_pos[:, None]          # [T, S]
+        s = s.masked_fill(~visible.repeat_interleave(G, 0)[None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)                                                   # [Hkv, T*G]
+    o = torch.bmm(torch.exp(s - lse[..., None]), v.float().permute(1, 0, 2))           # [Hkv, T*G, D]
+    o = o.reshape(Hkv, T, G, D).permute(1, 0, 2, 3).reshape(T, Hq, D)
+    return o, lse.reshape(Hkv, T, G).permute(1, 0, 2).reshape(T, Hq)
+
+
+def _attend_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  q_pos: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    T, Hq, D = q.shape
+    S, Hkv, _ = k.shape
+    G = Hq // Hkv
+    # fold the query heads of one kv head into the query axis: the op then needs no GQA support
+    qf = q.float().reshape(T, Hkv, G, D).permute(1, 2, 0, 3).reshape(1, Hkv, G * T, D)
+    mask = None
+    if q_pos is not None:
+        visible = torch.arange(S, device=q.device)[None, :] <= q_pos[:, None]          # [T, S]
+        mask = torch.zeros(visible.shape, dtype=torch.float32, device=q.device).masked_fill_(~visible, float("-inf"))
+        mask = mask.repeat(G, 1)                                                       # rows: g-major, like qf
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qf, k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None], 0.0, False, attn_mask=mask, scale=scale)
+    o = o[0].reshape(Hkv, G, T, D).permute(2, 0, 1, 3).reshape(T, Hq, D)
+    return o, lse[0].reshape(Hkv, G, T).permute(2, 0, 1).reshape(T, Hq)
+
+
+def attend_lse(q, k, v, scale: float, q_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if q.device.type == "cpu" and k.shape[0] > 0:
+        return _attend_flash(q, k, v, scale, q_pos)
+    return _attend_ref(q, k, v, scale, q_pos)
+
+
+def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """Exact combination of attention over two disjoint key sets. o: [T, H, D], lse: [T, H]."""
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
+    return (o1 * w1[..., None] + o2 * w2[..., None]) / (w1 + w2)[..., None]
+
+
+def cascade_prefill(q, k_cache, v_cache, bounds: list[tuple[int, int]], seq_slots: list[torch.Tensor],
+                    prefix_lens: list[int], groups: list[SharedPrefix], scale: float) -> torch.Tensor:
+    """Prefill of several sequences (packed q [T, Hq, D]); a group's shared prefix lies within every
+    member's cached prefix, so all of the member's new tokens see all of it."""
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    shared: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
+    for g in groups:
+        rows = torch.cat([torch.arange(*bounds[i], device=q.device) for i in g.seqs])
+        o, lse = attend_lse(q[rows], k_cache[g.slots], v_cache[g.slots], scale)
+        at = 0
+        for i in g.seqs:
+            n = bounds[i][1] - bounds[i][0]
+            shared[i] = (len(g.slots), o[at:at + n], lse[at:at + n])
+            at += n
+    for i, (s, e) in enumerate(bounds):
+        start = shared[i][0] if i in shared else 0
+        own = seq_slots[i][start:]
+        q_pos = torch.arange(prefix_lens[i] - start, prefix_lens[i] - start + e - s, device=q.device)
+        o, lse = attend_lse(q[s:e], k_cache[own], v_cache[own], scale, q_pos)
+        out[s:e] = merge(o, lse, shared[i][1], shared[i][2]) if i in shared else o
+    return out.to(q.dtype)
+
+
+def cascade_decode(q, k_cache, v_cache, own_table: torch.Tensor, own_lens: torch.Tensor,
+                   groups: list[SharedPrefix], scale: float) -> torch.Tensor:
+    """Decode (q [N, Hq, D], one token each); `own_table` [N, Lmax] holds each sequence's slots
+    after its group's shared prefix (all of them for a sequence in no group)."""
+    N, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = Hq // Hkv
+    Lmax = own_table.shape[1]
+    idx = own_table.clamp(min=0)
+    k = k_cache[idx].float()                                                  # [N, L, Hkv, D]
+    v = v_cache[idx].float()
+    qf = q.float().reshape(N, Hkv, G, D)
+    s = torch.einsum("nhgd,nlhd->nhgl", qf, k) * scale                       # [N, Hkv, G, L]
+    valid = torch.arange(Lmax, device=q.device)[None, :] < own_lens[:, None]  # [N, L]
+    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)                                          # [N, Hkv, G]
+    o = torch.einsum("nhgl,nlhd->nhgd", torch.exp(s - lse[..., None]), v)
+    o, lse = o.reshape(N, Hq, D), lse.reshape(N, Hq)
+    for g in groups:
+        rows = torch.tensor(g.seqs, device=q.device)
+        o_s, lse_s = attend_lse(q[rows], k_cache[g.slots], v_cache[g.slots], scale)
+        o[rows] = merge(o[rows], lse[rows], o_s, lse_s)
+    return o.to(q.dtype)
