@@ -99,7 +99,7 @@ class Batcher:
             self._retry = True
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        seq.pages = []
+        seq.pages, seq.slots = [], None
 
     def fail_all(self) -> list[Sequence]:
         """The authority lost our pages: everything in flight is lost with them."""

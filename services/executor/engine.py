@@ -52,6 +52,7 @@ class Engine:
         # Until hybrid state checkpoints exist, a hybrid prefix cannot be resumed from KV alone:
         # sharing is off for hybrid models rather than wrong.
         self.cache = not cfg.disable_radix_cache and not self.spec.is_hybrid
+        self.runner.warmup()
         self.pages = pages or LocalPages()
         self.pages.register(self.num_pages, cfg.page_size, self.cache)
         self.state_slots = FreeList(num_slots) if self.spec.is_hybrid else None
@@ -71,9 +72,9 @@ class Engine:
         n = len(req.input_ids)
         if n == 0:
             raise BadRequest("the prompt is empty", param="input_ids")
-        bad = [t for t in req.input_ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise BadRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})", param="input_ids")
+        if min(req.input_ids) < 0 or max(req.input_ids) >= self.spec.vocab_size:
+            bad = next(t for t in req.input_ids if not 0 <= t < self.spec.vocab_size)
+            raise BadRequest(f"token id {bad} is outside the vocabulary [0, {self.spec.vocab_size})", param="input_ids")
         if n + req.sampling.max_new_tokens > self.max_model_len:
             raise BadRequest(f"prompt ({n} tokens) plus max_new_tokens ({req.sampling.max_new_tokens}) exceeds the "
                              f"context length of {self.max_model_len} tokens", param="max_new_tokens")

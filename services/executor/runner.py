@@ -66,46 +66,78 @@ class ModelRunner:
         self.kv = KVPool(self.spec, self.plan, self.device)
         self.state = StatePool(self.spec, self.plan, self.device) if self.spec.is_hybrid else None
 
+    def warmup(self, tokens: int = 256) -> None:
+        """One prefill and a few decode steps on scratch pages before serving, so the first request
+        does not pay first-call costs (allocator growth, kernel selection). The pages and the state
+        slot are left dirty, which is harmless: a page is read only at positions a request wrote,
+        and a state slot is reset when a sequence starts in it."""
+        from .sequence import Sequence
+        from radixflow.shared.messages import SamplingParams
+        ps = self.kv.page_size
+        n_pages = min(-(-(tokens + 8) // ps), self.plan.num_pages)
+        tokens = min(tokens, n_pages * ps - 8)
+        seqs = [Sequence(rid=f"warmup-{i}", tokens=[(7 * j + i) % self.spec.vocab_size for j in range(tokens)],
+                         sampling=SamplingParams(max_new_tokens=4, temperature=0), eos_ids=frozenset(),
+                         pages=list(range(n_pages)), state_slot=0) for i in range(2)]
+        for s in seqs:
+            s.prompt_len = tokens
+        toks = self.run(Plan(False, seqs, [tokens, tokens]))
+        for _ in range(3):
+            for i, s in enumerate(seqs):
+                s.computed_len = len(s.tokens)
+                s.tokens.append(toks[i])
+            toks = self.run(Plan(True, seqs, [1, 1]))
+
+    def _slots(self, seq) -> torch.Tensor:
+        """Every token slot of a sequence's page table, computed once (pages never change after grant)."""
+        if seq.slots is None:
+            seq.slots = self.kv.token_slots(seq.pages, len(seq.pages) * self.kv.page_size).to(self.device)
+        return seq.slots
+
     def build(self, plan: Plan) -> tuple[ForwardBatch, list[int]]:
         """Tensors for one step, and the indices (into plan.seqs) of sequences that get a token."""
+        dev, ps = self.device, self.kv.page_size
         ids, pos, out_slots, seq_slots, rows, want = [], [], [], [], [], []
         row = 0
         for i, (seq, ext) in enumerate(zip(plan.seqs, plan.extend_lens)):
             start, end = seq.computed_len, seq.computed_len + ext
-            slots = self.kv.token_slots(seq.pages, end)
+            slots = self._slots(seq)[:end]
             ids.extend(seq.tokens[start:end])
-            pos.append(torch.arange(start, end))
-            out_slots.append(slots[start:end])
+            pos.extend(range(start, end))
+            if plan.is_decode:
+                out_slots.append(seq.pages[start // ps] * ps + start % ps)
+            else:
+                out_slots.append(slots[start:end])
             seq_slots.append(slots)
             row += ext
             if end == len(seq.tokens):        # the prompt is complete: this step yields a token
                 rows.append(row - 1)
                 want.append(i)
-        dev = self.device
         fb = ForwardBatch(
             is_decode=plan.is_decode,
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.cat(pos).to(dev),
-            out_slots=torch.cat(out_slots).to(dev),
+            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+            out_slots=torch.tensor(out_slots, dtype=torch.int64, device=dev) if plan.is_decode else torch.cat(out_slots),
             prefix_lens=[s.computed_len for s in plan.seqs],
             extend_lens=list(plan.extend_lens),
-            seq_slots=[s.to(dev) for s in seq_slots],
+            seq_slots=seq_slots,
             state_slots=torch.tensor([s.state_slot for s in plan.seqs], dtype=torch.int64, device=dev),
             logits_rows=torch.tensor(rows, dtype=torch.int64, device=dev))
         # a shared prefix lies within what every member computed before this step
-        limits = [s.computed_len - (1 if plan.is_decode else 0) for s in plan.seqs]
-        fb.groups = shared_prefixes([s.pages for s in plan.seqs], limits, self.kv.page_size, dev)
+        fb.groups = shared_prefixes([s.pages for s in plan.seqs], [s.computed_len for s in plan.seqs], ps, dev)
         if plan.is_decode:
-            fb.seq_lens = torch.tensor([len(s) for s in seq_slots], dtype=torch.int64, device=dev)
-            fb.slot_table = torch.nn.utils.rnn.pad_sequence(seq_slots, batch_first=True).to(dev)
+            lens = [len(s) for s in seq_slots]
+            fb.seq_lens = torch.tensor(lens, dtype=torch.int64, device=dev)
             if fb.groups:
                 start = [0] * len(seq_slots)
                 for g in fb.groups:
                     for i in g.seqs:
                         start[i] = len(g.slots)
                 own = [sl[st:] for sl, st in zip(seq_slots, start)]
-                fb.own_lens = torch.tensor([len(o) for o in own], dtype=torch.int64, device=dev)
-                fb.own_table = torch.nn.utils.rnn.pad_sequence(own, batch_first=True).to(dev)
+                fb.own_lens = torch.tensor([n - st for n, st in zip(lens, start)], dtype=torch.int64, device=dev)
+                fb.own_table = torch.nn.utils.rnn.pad_sequence(own, batch_first=True)
+            else:
+                fb.slot_table = torch.nn.utils.rnn.pad_sequence(seq_slots, batch_first=True)
         return fb, want
 
     def run(self, plan: Plan) -> dict[int, int]:

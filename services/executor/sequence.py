@@ -41,6 +41,7 @@ class Sequence:
     finish_reason: str | None = None
     matched_stop: int | None = None
     reported: int = 0            # output tokens already sent to the scheduler
+    slots: torch.Tensor | None = None   # every token slot of `pages` (the runner's cache)
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.tokens)

@@ -109,7 +109,7 @@ class SchedulerService(Actor):
         if len(ids) + req.sampling.max_new_tokens > limit:
             raise BadRequest(f"prompt ({len(ids)} tokens) plus max_new_tokens ({req.sampling.max_new_tokens}) "
                              f"exceeds the model's context length of {limit} tokens", param="max_new_tokens")
-        if any(t >= ex.info.vocab_size for t in ids):
+        if max(ids) >= ex.info.vocab_size:
             raise BadRequest(f"input_ids must be < vocab size {ex.info.vocab_size}", param="input_ids")
         namespace = req.tenant + (f"/{req.cache_salt}" if req.cache_salt else "")
         t = Tracked(rid=req.rid, stream_subject=req.stream_subject, executor=ex.instance, prompt_tokens=len(ids),

@@ -1,0 +1,96 @@
+"""Cascade attention against plain paged attention, and the grouping of shared page tables."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixflow.kernels.attention import (SharedPrefix, cascade_decode, cascade_prefill, decode_attention, merge,
+                                         prefill_attention, write_kv)
+from radixflow.kernels.attention.cascade import _attend_flash, _attend_ref
+from radixflow.services.executor.runner import shared_prefixes
+
+Hq, Hkv, D, PAGE = 4, 2, 32, 8
+
+
+def dense(q, k, v, scale, q_pos):
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    s = torch.einsum("thd,shd->hts", q, k) * scale
+    if q_pos is not None:
+        s = s.masked_fill(torch.arange(k.shape[0])[None, None, :] > q_pos[None, :, None], float("-inf"))
+    return torch.einsum("hts,shd->thd", torch.softmax(s, -1), v), torch.logsumexp(s, -1).T
+
+
+@pytest.mark.parametrize("impl", [_attend_ref, _attend_flash])
+@pytest.mark.parametrize("T,S,causal", [(1, 1, False), (7, 63, False), (33, 100, True), (64, 65, True)])
+def test_attend_lse_matches_dense(impl, T, S, causal):
+    g = torch.Generator().manual_seed(T * S)
+    q, k, v = torch.randn(T, Hq, D, generator=g), torch.randn(S, Hkv, D, generator=g), torch.randn(S, Hkv, D, generator=g)
+    q_pos = torch.arange(S - T, S) if causal else None
+    o, lse = impl(q, k, v, D ** -0.5, q_pos)
+    ro, rlse = dense(q, k, v, D ** -0.5, q_pos)
+    torch.testing.assert_close(o, ro, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, rlse, atol=1e-5, rtol=1e-5)
+
+
+def test_merge_of_two_key_sets_is_exact():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(5, Hq, D, generator=g), torch.randn(50, Hkv, D, generator=g), torch.randn(50, Hkv, D, generator=g)
+    o1, l1 = _attend_ref(q, k[:17], v[:17], 0.2, None)
+    o2, l2 = _attend_ref(q, k[17:], v[17:], 0.2, None)
+    torch.testing.assert_close(merge(o1, l1, o2, l2), dense(q, k, v, 0.2, None)[0], atol=1e-5, rtol=1e-5)
+
+
+def _pool(n_pages=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n_pages * PAGE, Hkv, D, generator=g), torch.randn(n_pages * PAGE, Hkv, D, generator=g)
+
+
+def _slots(pages, n):
+    return (torch.tensor(pages)[:, None] * PAGE + torch.arange(PAGE)).flatten()[:n]
+
+
+def test_cascade_prefill_equals_per_sequence_prefill():
+    kc, vc = _pool()
+    shared = [40, 3, 17, 9]                     # 32 tokens every sequence has cached
+    tables = [shared + [1, 2, 5], shared + [6, 7], shared + [8, 10, 11, 12], [20, 21, 22]]
+    prefix = [37, 32, 40, 10]                   # cached tokens; the last sequence shares nothing
+    ext = [12, 5, 20, 9]
+    q = torch.randn(sum(ext), Hq, D)
+    bounds, at = [], 0
+    for e in ext:
+        bounds.append((at, at + e))
+        at += e
+    seq_slots = [_slots(t, p + e) for t, p, e in zip(tables, prefix, ext)]
+    groups = [SharedPrefix(seqs=[0, 1, 2], slots=_slots(shared, 32))]
+    got = cascade_prefill(q, kc, vc, bounds, seq_slots, prefix, groups, D ** -0.5)
+    want = torch.cat([prefill_attention(q[s:e], kc, vc, sl, p, D ** -0.5) for (s, e), sl, p in zip(bounds, seq_slots, prefix)])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_cascade_decode_equals_decode():
+    kc, vc = _pool(seed=1)
+    shared = [30, 31, 2, 4, 5, 15, 16, 18]      # 64 tokens
+    tables = [shared + [6, 7], shared + [8], [9, 10, 11], shared + [12, 13, 14]]
+    lens = [73, 65, 20, 84]
+    seq_slots = [_slots(t, n) for t, n in zip(tables, lens)]
+    q = torch.randn(4, Hq, D)
+    table = torch.nn.utils.rnn.pad_sequence(seq_slots, batch_first=True)
+    want = decode_attention(q, kc, vc, table, torch.tensor(lens), D ** -0.5)
+    groups = shared_prefixes(tables, [n - 1 for n in lens], PAGE, torch.device("cpu"))
+    assert [g.seqs for g in groups] == [[0, 1, 3]] and len(groups[0].slots) == 64
+    own = [sl[64:] if i != 2 else sl for i, sl in enumerate(seq_slots)]
+    got = cascade_decode(q, kc, vc, torch.nn.utils.rnn.pad_sequence(own, batch_first=True),
+                         torch.tensor([len(o) for o in own]), groups, D ** -0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prefixes_respect_limits_and_minimum():
+    base = list(range(1, 11))                                   # 10 shared pages = 80 tokens
+    t = [base + [50, 51], base + [60], base[:9] + [70, 71]]
+    groups = shared_prefixes(t, [96, 88, 96], PAGE, torch.device("cpu"))
+    assert groups[0].seqs == [0, 1, 2] and len(groups[0].slots) == 9 * PAGE
+    groups = shared_prefixes(t[:2], [96, 72], PAGE, torch.device("cpu"))   # one member computed only 9 pages
+    assert len(groups[0].slots) == 9 * PAGE
+    assert shared_prefixes(t, [96, 7, 96], PAGE, torch.device("cpu"))[0].seqs == [0, 2]
+    assert shared_prefixes([base[:2] + [3], base[:2] + [4]], [24, 24], PAGE, torch.device("cpu")) == []  # < 64 tokens
