@@ -17,7 +17,7 @@ from radixflow.shared.messages import Accepted, GenerateRequest, SamplingParams,
 
 @pytest.fixture(scope="module")
 async def stack(nats_server, models):
-    cfg = stack_config(nats_server.url, models["tiny-hybrid"], gw_port=0, sc_executor_timeout_s=1.5)
+    cfg = stack_config(nats_server.url, models["tiny-hybrid"], gw_port=0)
     st = await Stack(cfg).start()
     base = f"http://127.0.0.1:{st.actors['gateway'].port}"
     async with aiohttp.ClientSession() as s:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -29,6 +30,7 @@ def nats():
 async def start(nats, models, names=ORDER, **over) -> Stack:
     cfg = stack_config(nats.url, models["tiny-hybrid"], gw_port=0, sc_executor_timeout_s=1.0,
                        gw_scheduler_timeout_s=1.0, ex_orphan_timeout_s=1.0, **over)
+    cfg = dataclasses.replace(cfg, service=dataclasses.replace(cfg.service, heartbeat_s=0.25))
     st = await Stack(cfg, names=names).start()
     if "gateway" in names:
         st.base = f"http://127.0.0.1:{st.actors['gateway'].port}"

@@ -117,7 +117,7 @@ class ExecutorService(Actor):
     async def _orphans(self) -> None:
         """Abort the requests of schedulers that stopped beating."""
         while True:
-            await asyncio.sleep(self.cfg.heartbeat_s)
+            await asyncio.sleep(self.config.heartbeat_s)
             now = time.monotonic()
             dead = {s for s, t in self._subject_seen.items() if now - t > self.cfg.orphan_timeout_s}
             orphans = [rid for rid, s in self._owner.items() if s in dead]

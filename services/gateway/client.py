@@ -63,7 +63,7 @@ class EngineClient:
     async def watch(self) -> None:
         """Fail the streams of a scheduler that stopped beating."""
         while True:
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(min(0.5, self.scheduler_timeout_s / 4))
             now = time.monotonic()
             for rid, (sched, stream) in list(self._streams.items()):
                 last = self._schedulers.get(sched)

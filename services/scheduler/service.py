@@ -209,7 +209,7 @@ class SchedulerService(Actor):
 
     async def _watchdog(self) -> None:
         while True:
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(min(0.5, self.cfg.executor_timeout_s / 4))
             now = time.monotonic()
             for inst, st in list(self.executors.items()):
                 if now - st.last_seen > self.cfg.executor_timeout_s:
