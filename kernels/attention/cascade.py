@@ -91,13 +91,44 @@ def cascade_prefill(q, k_cache, v_cache, bounds: list[tuple[int, int]], seq_slot
             n = bounds[i][1] - bounds[i][0]
             shared[i] = (len(g.slots), o[at:at + n], lse[at:at + n])
             at += n
+    # own parts of the grouped sequences, all at once: they are short (what follows the shared prefix)
+    grouped = sorted(shared)
+    if grouped:
+        own_q = [q[bounds[i][0]:bounds[i][1]] for i in grouped]
+        own_k = [seq_slots[i][shared[i][0]:] for i in grouped]
+        q_off = [prefix_lens[i] - shared[i][0] for i in grouped]
+        o, lse = _attend_padded(own_q, own_k, q_off, k_cache, v_cache, scale)
+        for j, i in enumerate(grouped):
+            s, e = bounds[i]
+            out[s:e] = merge(o[j, : e - s], lse[j, : e - s], shared[i][1], shared[i][2])
     for i, (s, e) in enumerate(bounds):
-        start = shared[i][0] if i in shared else 0
-        own = seq_slots[i][start:]
-        q_pos = torch.arange(prefix_lens[i] - start, prefix_lens[i] - start + e - s, device=q.device)
-        o, lse = attend_lse(q[s:e], k_cache[own], v_cache[own], scale, q_pos)
-        out[s:e] = merge(o, lse, shared[i][1], shared[i][2]) if i in shared else o
+        if i in shared:
+            continue
+        q_pos = torch.arange(prefix_lens[i], prefix_lens[i] + e - s, device=q.device)
+        out[s:e] = attend_lse(q[s:e], k_cache[seq_slots[i]], v_cache[seq_slots[i]], scale, q_pos)[0]
     return out.to(q.dtype)
+
+
+def _attend_padded(qs: list[torch.Tensor], slots: list[torch.Tensor], q_off: list[int], k_cache, v_cache,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of several short sequences in one padded batch: sequence j's query t has
+    position q_off[j] + t among its keys `slots[j]`. Returns o [N, Emax, Hq, D], lse [N, Emax, Hq]."""
+    N, Hq, D = len(qs), qs[0].shape[1], qs[0].shape[2]
+    Hkv = k_cache.shape[1]
+    G = Hq // Hkv
+    q = torch.nn.utils.rnn.pad_sequence(qs, batch_first=True).float()                  # [N, E, Hq, D]
+    idx = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True)                      # [N, L] (pad: slot 0)
+    k, v = k_cache[idx].float(), v_cache[idx].float()                                  # [N, L, Hkv, D]
+    E, L = q.shape[1], idx.shape[1]
+    lens = torch.tensor([len(x) for x in slots], device=q.device)
+    pos = torch.tensor(q_off, device=q.device)[:, None] + torch.arange(E, device=q.device)[None, :]   # [N, E]
+    keys = torch.arange(L, device=q.device)
+    visible = (keys[None, None, :] <= pos[:, :, None]) & (keys[None, None, :] < lens[:, None, None])  # [N, E, L]
+    s = torch.einsum("nehgd,nlhd->nhgel", q.reshape(N, E, Hkv, G, D), k) * scale          # [N, Hkv, G, E, L]
+    s = s.masked_fill(~visible[:, None, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)                                                    # [N, Hkv, G, E]
+    o = torch.einsum("nhgel,nlhd->nehgd", torch.exp(s - lse[..., None]), v)             # [N, E, Hkv, G, D]
+    return o.reshape(N, E, Hq, D), lse.permute(0, 3, 1, 2).reshape(N, E, Hq)
 
 
 def cascade_decode(q, k_cache, v_cache, own_table: torch.Tensor, own_lens: torch.Tensor,
