@@ -102,11 +102,21 @@ class RadixTree:
         return node
 
     def _common_pages(self, key: tuple[int, ...], tokens: list[int], i: int) -> int:
-        ps, n = self.page_size, 0
-        limit = min(len(key), len(tokens) - i) // ps
-        while n < limit and key[n * ps:(n + 1) * ps] == tuple(tokens[i + n * ps:i + (n + 1) * ps]):
-            n += 1
-        return n
+        """Whole pages that `key` shares with tokens[i:]. One C-level comparison in the usual case
+        (the node matches entirely); a page-by-page search only where they diverge."""
+        ps = self.page_size
+        n = min(len(key), len(tokens) - i) // ps * ps
+        seg = tuple(tokens[i:i + n])
+        if key[:n] == seg:
+            return n // ps
+        lo, hi = 0, n // ps          # invariant: the first lo pages are equal, the first hi are not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if key[:mid * ps] == seg[:mid * ps]:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def _split(self, child: Node, n_pages: int) -> Node:
         """Cut `child` after n_pages; the new upper node inherits its lock count (locks run to the root)."""
