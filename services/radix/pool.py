@@ -90,10 +90,11 @@ class PagePool:
         matches.sort(key=lambda x: -x[2])
         grants: list[Grant] = []
         deferred: list[Deferred] = []
-        admitted: list[tuple[Candidate, int]] = []
+        computing: set[tuple] = set()    # (namespace, cached, first uncached page) of admitted requests
         blocked = False
         for c, m, cached in matches:
             reason = None
+            nxt = self._next_page(c, cached) if self.cache else None
             extend = len(c.token_ids) - cached
             if blocked:
                 reason = "memory"
@@ -101,7 +102,7 @@ class PagePool:
                 reason = "slots"
             elif grants and extend > budget:
                 reason = "budget"
-            elif self.cache and self._shares_uncached(c, cached, admitted):
+            elif nxt is not None and nxt in computing:
                 reason = "shared-prefix"     # let the other compute it once; this one reuses it next step
             if reason is None:
                 node = m.node if m else self.tree.root(c.namespace)
@@ -115,22 +116,20 @@ class PagePool:
                 else:
                     self.held[c.rid] = Held(c.namespace, list(c.token_ids), cached_pages + fresh, node, cached)
                     grants.append(Grant(rid=c.rid, cached_tokens=cached, pages=cached_pages + fresh))
-                    admitted.append((c, cached))
+                    if nxt is not None:
+                        computing.add(nxt)
                     budget -= extend
             if reason is not None:
                 deferred.append(Deferred(rid=c.rid, cached_tokens=cached, reason=reason))
         return grants, deferred
 
-    def _shares_uncached(self, c: Candidate, cached: int, admitted: list[tuple[Candidate, int]]) -> bool:
-        """Would `c` compute a full page that an already admitted request computes in this step?"""
-        ps = self.page_size
-        for a, a_cached in admitted:
-            if a.namespace != c.namespace:
-                continue
-            end = max(cached, a_cached) + ps
-            if end <= min(len(c.token_ids), len(a.token_ids)) and c.token_ids[:end] == a.token_ids[:end]:
-                return True
-        return False
+    def _next_page(self, c: Candidate, cached: int) -> tuple | None:
+        """Two requests whose cached prefixes end at the same point and whose next page is the same
+        would both compute that page (and the tree would keep only one): the second one waits a
+        step and reuses it. (A longer shared prefix would have matched further, so equal cached
+        lengths are the only case.)"""
+        nxt = c.token_ids[cached:cached + self.page_size]
+        return (c.namespace, cached, tuple(nxt)) if len(nxt) == self.page_size else None
 
     def progress(self, p: Progress) -> None:
         h = self.held.get(p.rid)
