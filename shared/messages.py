@@ -81,6 +81,7 @@ class GenerateRequest(Msg):
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     tenant: str = "default"
     cache_salt: str | None = None
+    stream: bool = True               # False: one chunk at the end (no per-step detokenization)
 
 
 class Accepted(Msg):

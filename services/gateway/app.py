@@ -121,7 +121,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if body.return_logprob:
         raise BadRequest("return_logprob is not supported", param="return_logprob")
     req = GenerateRequest(rid=body.rid or new_rid(), stream_subject="", text=body.text, input_ids=body.input_ids,
-                          sampling=P.native_sampling(body.sampling_params), tenant=tenant, cache_salt=body.cache_salt)
+                          sampling=P.native_sampling(body.sampling_params), tenant=tenant, cache_salt=body.cache_salt,
+                          stream=body.stream)
     check_request(req)
     with log.bind_request(req.rid):
         return await _generate(request, req, body)
@@ -182,7 +183,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = GenerateRequest(rid=new_rid(), stream_subject="", tenant=tenant, cache_salt=body.cache_salt,
                           text=prompt if isinstance(prompt, str) else None,
                           input_ids=prompt if isinstance(prompt, list) else None,
-                          sampling=P.openai_sampling(body, body.max_tokens, 16))
+                          sampling=P.openai_sampling(body, body.max_tokens, 16), stream=body.stream)
     check_request(req)
     with log.bind_request(req.rid):
         return await _openai(request, req, body, chat=False)
@@ -195,7 +196,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     _check_model(request, body.model)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     req = GenerateRequest(rid=new_rid(), stream_subject="", tenant=tenant, cache_salt=body.cache_salt,
-                          messages=P.chat_messages(body), sampling=P.openai_sampling(body, max_tokens, 1024))
+                          messages=P.chat_messages(body), sampling=P.openai_sampling(body, max_tokens, 1024),
+                          stream=body.stream)
     check_request(req)
     with log.bind_request(req.rid):
         return await _openai(request, req, body, chat=True)

@@ -113,7 +113,7 @@ class SchedulerService(Actor):
             raise BadRequest(f"input_ids must be < vocab size {ex.info.vocab_size}", param="input_ids")
         namespace = req.tenant + (f"/{req.cache_salt}" if req.cache_salt else "")
         t = Tracked(rid=req.rid, stream_subject=req.stream_subject, executor=ex.instance, prompt_tokens=len(ids),
-                    sampling=req.sampling, deadline=time.monotonic() + self.cfg.request_timeout_s)
+                    sampling=req.sampling, deadline=time.monotonic() + self.cfg.request_timeout_s, stream=req.stream)
         self.table.add(t)    # before dispatch: an output may arrive before the executor's reply does
         ex.inflight += 1
         try:
@@ -144,6 +144,10 @@ class SchedulerService(Actor):
         for t, o in live:
             t.output_ids.extend(o.token_ids)
             t.cached_tokens = o.cached_tokens
+        # a non-streaming request without stop strings is detokenized once, when it ends
+        live = [(t, o) for t, o in live if t.incremental or o.finished]
+        if not live:
+            return
         try:
             reply = await self.bus.request(subjects.TOKENIZER_DETOKENIZE, DetokenizeRequest(items=[
                 DetokItem(ids=t.output_ids[t.prefix_offset:], prefix_offset=t.prefix_offset, read_offset=t.read_offset,
@@ -162,13 +166,13 @@ class SchedulerService(Actor):
                                  o.error)
             elif hit is not None:
                 t.stopping = True
-                await self._end(t, text, o.token_ids, "stop", hit)
+                await self._end(t, text, "stop", hit)
                 if not o.finished:
                     stopped.setdefault(t.executor, []).append(t.rid)
             elif o.finished:
-                await self._end(t, text, o.token_ids, o.finish_reason or "stop", o.matched_stop)
+                await self._end(t, text, o.finish_reason or "stop", o.matched_stop)
             else:
-                await self._send(t, StreamChunk(rid=t.rid, seq=t.take_seq(), text=text, token_ids=o.token_ids))
+                await self._send(t, StreamChunk(rid=t.rid, seq=t.take_seq(), text=text, token_ids=t.take_ids()))
         for ex, rids in stopped.items():
             await self.bus.publish(subjects.executor_abort(ex), AbortRequest(rids=rids))
 
@@ -178,11 +182,11 @@ class SchedulerService(Actor):
         except RadixflowError as e:   # oversize chunk: the client must still get a terminal event
             self.log.error("stream item not sent", rid=t.rid, error=e.message)
 
-    async def _end(self, t: Tracked, text: str, ids: list[int], reason: str, matched) -> None:
+    async def _end(self, t: Tracked, text: str, reason: str, matched) -> None:
         if self.table.finish(t.rid) is None:
             return
         self._release(t)
-        await self._send(t, StreamChunk(rid=t.rid, seq=t.take_seq(), text=text, token_ids=ids, finished=True,
+        await self._send(t, StreamChunk(rid=t.rid, seq=t.take_seq(), text=text, token_ids=t.take_ids(), finished=True,
                                         finish_reason=reason, matched_stop=matched, usage=Usage(
                                             prompt_tokens=t.prompt_tokens, completion_tokens=len(t.output_ids),
                                             cached_tokens=t.cached_tokens)))

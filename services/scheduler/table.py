@@ -23,9 +23,21 @@ class Tracked:
     next_seq: int = 0             # sequence number of the next stream item
     cached_tokens: int = 0
     stopping: bool = False        # a stop string matched; the terminal chunk has been sent
+    stream: bool = True
+    sent: int = 0                 # output ids already sent in chunks
 
     def __post_init__(self) -> None:
         self.stops = StopMatcher(self.sampling.stop)
+
+    @property
+    def incremental(self) -> bool:
+        """Detokenize every step (streaming, or stop strings to watch); else once at the end."""
+        return self.stream or bool(self.sampling.stop)
+
+    def take_ids(self) -> list[int]:
+        ids = self.output_ids[self.sent:]
+        self.sent = len(self.output_ids)
+        return ids
 
     def take_seq(self) -> int:
         self.next_seq += 1
