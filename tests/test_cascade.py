@@ -64,6 +64,13 @@ def test_cascade_prefill_equals_per_sequence_prefill():
     seq_slots = [_slots(t, p + e) for t, p, e in zip(tables, prefix, ext)]
     groups = [SharedPrefix(seqs=[0, 1, 2], slots=_slots(shared, 32))]
     got = cascade_prefill(q, kc, vc, bounds, seq_slots, prefix, groups, D ** -0.5)
+    # the same with contiguous shared pages, read as a view
+    tables2 = [[40, 41, 42, 43] + t[4:] if i < 3 else t for i, t in enumerate(tables)]
+    seq_slots2 = [_slots(t, p + e) for t, p, e in zip(tables2, prefix, ext)]
+    groups2 = [SharedPrefix(seqs=[0, 1, 2], slots=_slots([40, 41, 42, 43], 32), start=40 * PAGE)]
+    got2 = cascade_prefill(q, kc, vc, bounds, seq_slots2, prefix, groups2, D ** -0.5)
+    want2 = torch.cat([prefill_attention(q[s:e], kc, vc, sl, p, D ** -0.5) for (s, e), sl, p in zip(bounds, seq_slots2, prefix)])
+    torch.testing.assert_close(got2, want2, atol=1e-5, rtol=1e-5)
     want = torch.cat([prefill_attention(q[s:e], kc, vc, sl, p, D ** -0.5) for (s, e), sl, p in zip(bounds, seq_slots, prefix)])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -94,3 +101,5 @@ def test_shared_prefixes_respect_limits_and_minimum():
     assert len(groups[0].slots) == 9 * PAGE
     assert shared_prefixes(t, [96, 7, 96], PAGE, torch.device("cpu"))[0].seqs == [0, 2]
     assert shared_prefixes([base[:2] + [3], base[:2] + [4]], [24, 24], PAGE, torch.device("cpu")) == []  # < 64 tokens
+    assert groups[0].start == 1 * PAGE                                   # pages 1..9: contiguous, read as a view
+    assert shared_prefixes([[5, 9] + base, [5, 9] + base], [96, 96], PAGE, torch.device("cpu"))[0].start == -1

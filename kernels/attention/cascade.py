@@ -26,6 +26,14 @@ __all__ = ["SharedPrefix", "attend_lse", "merge", "cascade_prefill", "cascade_de
 class SharedPrefix:
     seqs: list[int]          # indices (into the batch) of the sequences sharing the prefix
     slots: torch.Tensor      # [S] int64 slots of the shared tokens (the first S tokens of each)
+    start: int = -1          # >= 0 when the slots are the contiguous range [start, start + S)
+
+    def kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared K/V; a view, not a copy, when the pages happen to be contiguous (a prefix
+        allocated in one go usually is)."""
+        if self.start >= 0:
+            return k_cache[self.start:self.start + len(self.slots)], v_cache[self.start:self.start + len(self.slots)]
+        return k_cache[self.slots], v_cache[self.slots]
 
 
 def _attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -85,7 +93,7 @@ def cascade_prefill(q, k_cache, v_cache, bounds: list[tuple[int, int]], seq_slot
     shared: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
     for g in groups:
         rows = torch.cat([torch.arange(*bounds[i], device=q.device) for i in g.seqs])
-        o, lse = attend_lse(q[rows], k_cache[g.slots], v_cache[g.slots], scale)
+        o, lse = attend_lse(q[rows], *g.kv(k_cache, v_cache), scale)
         at = 0
         for i in g.seqs:
             n = bounds[i][1] - bounds[i][0]
@@ -151,6 +159,6 @@ def cascade_decode(q, k_cache, v_cache, own_table: torch.Tensor, own_lens: torch
     o, lse = o.reshape(N, Hq, D), lse.reshape(N, Hq)
     for g in groups:
         rows = torch.tensor(g.seqs, device=q.device)
-        o_s, lse_s = attend_lse(q[rows], k_cache[g.slots], v_cache[g.slots], scale)
+        o_s, lse_s = attend_lse(q[rows], *g.kv(k_cache, v_cache), scale)
         o[rows] = merge(o[rows], lse[rows], o_s, lse_s)
     return o.to(q.dtype)

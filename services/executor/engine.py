@@ -117,6 +117,14 @@ class Engine:
         """One step; returns (output subject, output) for every sequence that advanced or ended."""
         outs = self._intake()
         outs += self._exchange()
+        for _ in range(3):
+            # requests that arrived while we waited on the page authority join this step rather than
+            # the next: a burst of requests is prefilled together (no added wait for a lone request)
+            with self._lock:
+                if not self._new:
+                    break
+            outs += self._intake()
+            outs += self._exchange()
         plan = self.batcher.schedule()
         if plan is None:
             return outs

@@ -49,7 +49,8 @@ def shared_prefixes(tables: list[list[int]], limits: list[int], page_size: int,
         if n * page_size >= MIN_SHARED_TOKENS:
             pages = torch.tensor(first[:n], dtype=torch.int64)
             slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten().to(device)
-            groups.append(SharedPrefix(seqs=members, slots=slots))
+            contiguous = first[n - 1] - first[0] == n - 1 and all(b - a == 1 for a, b in zip(first, first[1:n]))
+            groups.append(SharedPrefix(seqs=members, slots=slots, start=first[0] * page_size if contiguous else -1))
     return groups
 
 
