@@ -89,30 +89,31 @@ def cascade_prefill(q, k_cache, v_cache, bounds: list[tuple[int, int]], seq_slot
                     prefix_lens: list[int], groups: list[SharedPrefix], scale: float) -> torch.Tensor:
     """Prefill of several sequences (packed q [T, Hq, D]); a group's shared prefix lies within every
     member's cached prefix, so all of the member's new tokens see all of it."""
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    shared: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
+    dev = q.device
+    out = torch.empty(q.shape, dtype=torch.float32, device=dev)
+    grouped, starts, sh_o, sh_lse = [], {}, [], []
     for g in groups:
-        rows = torch.cat([torch.arange(*bounds[i], device=q.device) for i in g.seqs])
+        rows = torch.cat([torch.arange(*bounds[i], device=dev) for i in g.seqs])
         o, lse = attend_lse(q[rows], *g.kv(k_cache, v_cache), scale)
-        at = 0
-        for i in g.seqs:
-            n = bounds[i][1] - bounds[i][0]
-            shared[i] = (len(g.slots), o[at:at + n], lse[at:at + n])
-            at += n
-    # own parts of the grouped sequences, all at once: they are short (what follows the shared prefix)
-    grouped = sorted(shared)
+        sh_o.append(o)
+        sh_lse.append(lse)
+        grouped += g.seqs
+        starts.update({i: len(g.slots) for i in g.seqs})
     if grouped:
+        # own parts (what follows each shared prefix) are short: one padded batch, one merge, in the
+        # packed order of `grouped` (the order the shared parts were computed in)
         own_q = [q[bounds[i][0]:bounds[i][1]] for i in grouped]
-        own_k = [seq_slots[i][shared[i][0]:] for i in grouped]
-        q_off = [prefix_lens[i] - shared[i][0] for i in grouped]
-        o, lse = _attend_padded(own_q, own_k, q_off, k_cache, v_cache, scale)
-        for j, i in enumerate(grouped):
-            s, e = bounds[i]
-            out[s:e] = merge(o[j, : e - s], lse[j, : e - s], shared[i][1], shared[i][2])
+        o, lse = _attend_padded(own_q, [seq_slots[i][starts[i]:] for i in grouped],
+                                [prefix_lens[i] - starts[i] for i in grouped], k_cache, v_cache, scale)
+        E = o.shape[1]
+        flat = torch.cat([torch.arange(len(x), device=dev) + j * E for j, x in enumerate(own_q)])
+        rows = torch.cat([torch.arange(*bounds[i], device=dev) for i in grouped])
+        out[rows] = merge(o.flatten(0, 1)[flat], lse.flatten(0, 1)[flat], torch.cat(sh_o), torch.cat(sh_lse))
+    alone = set(grouped)
     for i, (s, e) in enumerate(bounds):
-        if i in shared:
+        if i in alone:
             continue
-        q_pos = torch.arange(prefix_lens[i], prefix_lens[i] + e - s, device=q.device)
+        q_pos = torch.arange(prefix_lens[i], prefix_lens[i] + e - s, device=dev)
         out[s:e] = attend_lse(q[s:e], k_cache[seq_slots[i]], v_cache[seq_slots[i]], scale, q_pos)[0]
     return out.to(q.dtype)
 
