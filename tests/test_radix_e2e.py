@@ -130,3 +130,33 @@ async def test_metrics_are_exposed(runs):
         assert name in m, name
     assert m["radixflow_kv_pages_total"] == 2048 // 16
     assert m["radixflow_cached_tokens_total"] == 7 * 592 + 0
+
+
+async def test_placement_follows_the_cache_across_executors(models):
+    """Two executors: a request goes where its prefix is cached, even when that executor is busier."""
+    from radixflow.services.executor.service import ExecutorService
+    from radixflow.shared.bus import Bus
+    st = await start(models)
+    bus2 = Bus("second-executor", st.cfg.bus)
+    await bus2.connect()
+    second = ExecutorService(bus2, st.cfg.executor, st.cfg.service)
+    await second.start()
+    try:
+        for _ in range(50):
+            if len(st.actors["scheduler"].executors) == 2:
+                break
+            await asyncio.sleep(0.1)
+        assert len(st.actors["scheduler"].executors) == 2
+        await gen(st, PRE + SUFS[0])
+        # keep the executor that has the prefix busy, then ask for the prefix again
+        busy = asyncio.create_task(gen(st, PRE + SUFS[1], sampling_params={"max_new_tokens": 400, "ignore_eos": True,
+                                                                              "temperature": 0}))
+        await asyncio.sleep(0.3)
+        again = await gen(st, PRE + SUFS[2])
+        assert again["meta_info"]["cached_tokens"] == 592
+        assert (await busy)["meta_info"]["cached_tokens"] == 592
+    finally:
+        await second.drain()
+        await second.stop()
+        await bus2.close()
+        await stop(st)

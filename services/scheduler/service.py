@@ -21,7 +21,8 @@ from radixflow.shared.config import SchedulerConfig, ServiceConfig
 from radixflow.shared.errors import BadRequest, Overloaded, RadixflowError, ServiceUnavailable
 from radixflow.shared.messages import (AbortRequest, Accepted, DetokenizeReply, DetokenizeRequest, DetokItem,
                                        EncodeReply, EncodeRequest, ExecAccepted, ExecRequest, ExecutorInfo,
-                                       GenerateRequest, Heartbeat, StatusReply, StatusRequest, StepOutput,
+                                       GenerateRequest, Heartbeat, RadixPlace, RadixPlaceReply, StatusReply,
+                                       StatusRequest, StepOutput,
                                        StreamChunk, StreamError, TokenizerInfo, Usage)
 from radixflow.shared.validate import check_request
 
@@ -76,11 +77,26 @@ class SchedulerService(Actor):
         else:
             st.last_seen, st.info = time.monotonic(), info
 
-    def pick_executor(self) -> ExecutorState:
+    def live_executors(self) -> list[ExecutorState]:
         live = [e for e in self.executors.values() if e.info.max_model_len > 0]
         if not live:
             raise ServiceUnavailable("no executor is available")
-        return min(live, key=lambda e: (e.inflight, e.info.running + e.info.waiting))
+        return live
+
+    async def place(self, live: list[ExecutorState], namespace: str, ids: list[int]) -> ExecutorState:
+        """Cache-aware placement: the executor holding the longest prefix, then the least loaded.
+        With one executor there is nothing to ask; if radix cannot answer, load alone decides."""
+        load = lambda e: (e.inflight, e.info.running + e.info.waiting)
+        if len(live) == 1:
+            return live[0]
+        try:
+            reply = await self.bus.request(subjects.RADIX_PLACE, RadixPlace(
+                namespace=namespace, token_ids=ids, pools=[e.instance for e in live]), RadixPlaceReply, timeout=2)
+            cached = reply.cached_tokens
+        except RadixflowError as e:
+            self.log.warning("placement without radix", error=e.message)
+            cached = {}
+        return min(live, key=lambda e: (-cached.get(e.instance, 0), *load(e)))
 
     # ------------------------------------------------------------ intake
 
@@ -96,7 +112,7 @@ class SchedulerService(Actor):
             raise Overloaded(f"{len(self.table)} requests in flight; try again later")
         if req.rid in self.table:
             raise BadRequest(f"request id {req.rid!r} is already in flight", param="rid")
-        ex = self.pick_executor()   # fail fast before tokenizing when nothing can run it
+        live = self.live_executors()   # fail fast before tokenizing when nothing can run it
         if req.input_ids is not None:
             ids = req.input_ids
         else:
@@ -105,13 +121,14 @@ class SchedulerService(Actor):
             ids = enc.input_ids
             if not ids:
                 raise BadRequest("the prompt tokenizes to nothing", param="text")
+        namespace = req.tenant + (f"/{req.cache_salt}" if req.cache_salt else "")
+        ex = await self.place(live, namespace, ids)
         limit = ex.info.max_model_len
         if len(ids) + req.sampling.max_new_tokens > limit:
             raise BadRequest(f"prompt ({len(ids)} tokens) plus max_new_tokens ({req.sampling.max_new_tokens}) "
                              f"exceeds the model's context length of {limit} tokens", param="max_new_tokens")
         if max(ids) >= ex.info.vocab_size:
             raise BadRequest(f"input_ids must be < vocab size {ex.info.vocab_size}", param="input_ids")
-        namespace = req.tenant + (f"/{req.cache_salt}" if req.cache_salt else "")
         t = Tracked(rid=req.rid, stream_subject=req.stream_subject, executor=ex.instance, prompt_tokens=len(ids),
                     sampling=req.sampling, deadline=time.monotonic() + self.cfg.request_timeout_s, stream=req.stream)
         self.table.add(t)    # before dispatch: an output may arrive before the executor's reply does
