@@ -121,3 +121,23 @@ def test_more_requests_than_memory_queue_and_all_finish(models):
     assert sorted(o) == sorted(r.rid for r in reqs) and all(len(v) == 20 for v in o.values())
     assert max(sizes) <= 4            # 512 tokens hold at most 4 requests of 120 at a time
     assert no_leak(small)
+
+
+def test_engine_greedy_equals_transformers_generate(engine):
+    """The whole engine path (paging, cascade attention over contiguous and shared pages, batching,
+    a cached prefix) against transformers' own greedy generation."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(engine.cfg.model, dtype=torch.float32).eval()
+    base = prompt(40, 200)
+    prompts = [base + prompt(41, 30), base + prompt(42, 45), prompt(43, 150)]
+    want = []
+    for p in prompts:
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+        want.append(out[0, len(p):].tolist())
+    got, _, _ = run(engine, [req("p0", prompts[0], max_new_tokens=12, ignore_eos=True)])   # caches `base`
+    more, _, _ = run(engine, [req(f"p{i}", p, max_new_tokens=12, ignore_eos=True) for i, p in enumerate(prompts)])
+    assert got["p0"] == want[0]
+    assert [more[f"p{i}"] for i in range(3)] == want

@@ -30,15 +30,14 @@ MIN_SHARED_TOKENS = 64   # below this, reading a prefix per sequence costs less 
 def shared_prefixes(tables: list[list[int]], limits: list[int], page_size: int,
                     device: torch.device) -> list[SharedPrefix]:
     """Groups of sequences whose page tables start with the same pages (what radix matches hand
-    out), with the longest such prefix within every member's `limit` tokens."""
+    out), with the longest such prefix within every member's `limit` tokens. A lone sequence whose
+    first pages are contiguous forms a group of one: its prefix is then read as a view, not gathered."""
     by_first: dict[int, list[int]] = {}
     for i, (t, lim) in enumerate(zip(tables, limits)):
         if t and lim >= page_size:
             by_first.setdefault(t[0], []).append(i)
     groups = []
     for members in by_first.values():
-        if len(members) < 2:
-            continue
         n = min(limits[i] for i in members) // page_size
         first = tables[members[0]]
         for i in members[1:]:
@@ -46,11 +45,16 @@ def shared_prefixes(tables: list[list[int]], limits: list[int], page_size: int,
             while k < n and t[k] == first[k]:
                 k += 1
             n = k
-        if n * page_size >= MIN_SHARED_TOKENS:
-            pages = torch.tensor(first[:n], dtype=torch.int64)
-            slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten().to(device)
-            contiguous = first[n - 1] - first[0] == n - 1 and all(b - a == 1 for a, b in zip(first, first[1:n]))
-            groups.append(SharedPrefix(seqs=members, slots=slots, start=first[0] * page_size if contiguous else -1))
+        run = 1
+        while run < n and first[run] == first[run - 1] + 1:
+            run += 1
+        if len(members) == 1:
+            n = run
+        if n * page_size < MIN_SHARED_TOKENS:
+            continue
+        pages = torch.tensor(first[:n], dtype=torch.int64)
+        slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten().to(device)
+        groups.append(SharedPrefix(seqs=members, slots=slots, start=first[0] * page_size if run >= n else -1))
     return groups
 
 

@@ -99,7 +99,10 @@ class ExecutorService(Actor):
             if not self.engine.has_work():
                 self._wake.wait(0.5)
                 continue
+            t0 = time.perf_counter()
             outs = self.engine.step()
+            self.log.debug("step", ms=round((time.perf_counter() - t0) * 1e3, 2), outputs=len(outs),
+                           running=self.engine.num_running, waiting=self.engine.num_waiting)
             if outs:
                 loop.call_soon_threadsafe(self._outbox.put_nowait, outs)
 
