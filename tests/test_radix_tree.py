@@ -73,6 +73,10 @@ class PoolMachine(RuleBasedStateMachine):
             assert g.cached_tokens == want       # acquisition reuses exactly the longest cached prefix
             assert len(g.pages) == -(-(len(toks) + reserve) // self.PAGE)
             assert len(set(g.pages)) == len(g.pages)
+        elif deferred[0].reason == "shared-prefix":
+            # another held request computes the same next page right now: it will be cached soon
+            assert any(h.computing is not None and h.computing[1] == want and h.namespace == ns
+                       for h in self.pool.held.values())
         else:
             assert deferred[0].reason == "memory"
 
@@ -190,6 +194,8 @@ def test_longest_prefix_first_and_shared_uncached_prefix_computed_once():
     grants, deferred = pool.admit([cold, hot, twin], budget=10**6, max_admit=8)
     assert [g.rid for g in grants] == ["hot", "cold"]           # longest cached prefix first
     assert [(d.rid, d.reason) for d in deferred] == [("twin", "shared-prefix")]
+    grants, deferred = pool.admit([twin], budget=10**6, max_admit=8)
+    assert not grants and deferred[0].reason == "shared-prefix"   # still being computed: still waits
     pool.progress(Progress(rid="cold", computed=5))
     grants, _ = pool.admit([twin], budget=10**6, max_admit=8)
     assert grants[0].cached_tokens == 4                          # the twin now reuses what cold computed

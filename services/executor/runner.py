@@ -25,6 +25,7 @@ def pick_dtype(device: torch.device) -> torch.dtype:
 
 
 MIN_SHARED_TOKENS = 64   # below this, reading a prefix per sequence costs less than splitting
+MIN_VIEW_TOKENS = 512    # a lone sequence: below this, gathering its keys costs less than splitting
 
 
 def shared_prefixes(tables: list[list[int]], limits: list[int], page_size: int,
@@ -50,7 +51,7 @@ def shared_prefixes(tables: list[list[int]], limits: list[int], page_size: int,
             run += 1
         if len(members) == 1:
             n = run
-        if n * page_size < MIN_SHARED_TOKENS:
+        if n * page_size < (MIN_SHARED_TOKENS if len(members) > 1 else MIN_VIEW_TOKENS):
             continue
         pages = torch.tensor(first[:n], dtype=torch.int64)
         slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten().to(device)

@@ -30,6 +30,7 @@ class Held:
     pages: list[int]      # the request's whole page table
     node: Node            # locked: the deepest tree node of its cached / inserted prefix
     inserted: int = 0     # tokens already inserted into the tree
+    computing: tuple | None = None   # the uncached page it computes first (see PagePool._next_page)
 
 
 class PagePool:
@@ -41,6 +42,9 @@ class PagePool:
         self._free = list(range(num_pages - 1, -1, -1))
         self.held: dict[str, Held] = {}
         self.evicted_total = 0
+        # first uncached page of each admitted request, until its progress puts it in the tree:
+        # a later candidate with the same next page waits for that instead of computing it too
+        self.computing: dict[tuple, str] = {}
 
     # ------------------------------------------------------------ accounting
 
@@ -90,7 +94,6 @@ class PagePool:
         matches.sort(key=lambda x: -x[2])
         grants: list[Grant] = []
         deferred: list[Deferred] = []
-        computing: set[tuple] = set()    # (namespace, cached, first uncached page) of admitted requests
         blocked = False
         for c, m, cached in matches:
             reason = None
@@ -102,7 +105,7 @@ class PagePool:
                 reason = "slots"
             elif grants and extend > budget:
                 reason = "budget"
-            elif nxt is not None and nxt in computing:
+            elif nxt is not None and nxt in self.computing:
                 reason = "shared-prefix"     # let the other compute it once; this one reuses it next step
             if reason is None:
                 node = m.node if m else self.tree.root(c.namespace)
@@ -114,10 +117,10 @@ class PagePool:
                     blocked = True           # keep arrival order under memory pressure: no overtaking
                     reason = "memory"
                 else:
-                    self.held[c.rid] = Held(c.namespace, list(c.token_ids), cached_pages + fresh, node, cached)
+                    self.held[c.rid] = Held(c.namespace, list(c.token_ids), cached_pages + fresh, node, cached, nxt)
                     grants.append(Grant(rid=c.rid, cached_tokens=cached, pages=cached_pages + fresh))
                     if nxt is not None:
-                        computing.add(nxt)
+                        self.computing[nxt] = c.rid
                     budget -= extend
             if reason is not None:
                 deferred.append(Deferred(rid=c.rid, cached_tokens=cached, reason=reason))
@@ -146,11 +149,18 @@ class PagePool:
         self.tree.lock(node)
         self.tree.unlock(h.node)
         h.node, h.inserted = node, k
+        self._done_computing(h)
+
+    def _done_computing(self, h: Held) -> None:
+        if h.computing is not None and self.computing.get(h.computing) is not None:
+            del self.computing[h.computing]
+        h.computing = None
 
     def release(self, r: Release) -> None:
         h = self.held.pop(r.rid, None)
         if h is None:
             return
+        self._done_computing(h)
         h.tokens.extend(r.output_ids)
         if not self.cache:
             self.tree.unlock(h.node)
