@@ -75,6 +75,12 @@ def test_cascade_prefill_equals_per_sequence_prefill():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_cascade_prefill_long_own_parts_take_the_unpadded_path(monkeypatch):
+    import radixflow.kernels.attention.cascade as C
+    monkeypatch.setattr(C, "PADDED_LIMIT", 0)
+    test_cascade_prefill_equals_per_sequence_prefill()
+
+
 def test_cascade_decode_equals_decode():
     kc, vc = _pool(seed=1)
     shared = [30, 31, 2, 4, 5, 15, 16, 18]      # 64 tokens

@@ -21,6 +21,8 @@ import torch
 
 __all__ = ["SharedPrefix", "attend_lse", "merge", "cascade_prefill", "cascade_decode"]
 
+PADDED_LIMIT = 1 << 21   # query x key pairs up to which short own parts share one padded batch
+
 
 @dataclass
 class SharedPrefix:
@@ -100,15 +102,22 @@ def cascade_prefill(q, k_cache, v_cache, bounds: list[tuple[int, int]], seq_slot
         grouped += g.seqs
         starts.update({i: len(g.slots) for i in g.seqs})
     if grouped:
-        # own parts (what follows each shared prefix) are short: one padded batch, one merge, in the
-        # packed order of `grouped` (the order the shared parts were computed in)
+        # own parts (what follows each shared prefix), in the packed order of `grouped` (the order
+        # the shared parts were computed in): usually short, then one padded batch and one merge
         own_q = [q[bounds[i][0]:bounds[i][1]] for i in grouped]
-        o, lse = _attend_padded(own_q, [seq_slots[i][starts[i]:] for i in grouped],
-                                [prefix_lens[i] - starts[i] for i in grouped], k_cache, v_cache, scale)
-        E = o.shape[1]
-        flat = torch.cat([torch.arange(len(x), device=dev) + j * E for j, x in enumerate(own_q)])
+        own_k = [seq_slots[i][starts[i]:] for i in grouped]
+        q_off = [prefix_lens[i] - starts[i] for i in grouped]
         rows = torch.cat([torch.arange(*bounds[i], device=dev) for i in grouped])
-        out[rows] = merge(o.flatten(0, 1)[flat], lse.flatten(0, 1)[flat], torch.cat(sh_o), torch.cat(sh_lse))
+        E, L = max(len(x) for x in own_q), max(len(x) for x in own_k)
+        if len(grouped) * E * L <= PADDED_LIMIT:
+            o, lse = _attend_padded(own_q, own_k, q_off, k_cache, v_cache, scale)
+            flat = torch.cat([torch.arange(len(x), device=dev) + j * E for j, x in enumerate(own_q)])
+            o, lse = o.flatten(0, 1)[flat], lse.flatten(0, 1)[flat]
+        else:
+            parts = [attend_lse(x, k_cache[k], v_cache[k], scale, torch.arange(off, off + len(x), device=dev))
+                     for x, k, off in zip(own_q, own_k, q_off)]
+            o, lse = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        out[rows] = merge(o, lse, torch.cat(sh_o), torch.cat(sh_lse))
     alone = set(grouped)
     for i, (s, e) in enumerate(bounds):
         if i in alone:

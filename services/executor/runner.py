@@ -29,7 +29,7 @@ MIN_VIEW_TOKENS = 512    # a lone sequence: below this, gathering its keys costs
 
 
 def shared_prefixes(tables: list[list[int]], limits: list[int], page_size: int,
-                    device: torch.device) -> list[SharedPrefix]:
+                    device: torch.device, singles: bool = True) -> list[SharedPrefix]:
     """Groups of sequences whose page tables start with the same pages (what radix matches hand
     out), with the longest such prefix within every member's `limit` tokens. A lone sequence whose
     first pages are contiguous forms a group of one: its prefix is then read as a view, not gathered."""
@@ -50,6 +50,8 @@ def shared_prefixes(tables: list[list[int]], limits: list[int], page_size: int,
         while run < n and first[run] == first[run - 1] + 1:
             run += 1
         if len(members) == 1:
+            if not singles:
+                continue
             n = run
         if n * page_size < (MIN_SHARED_TOKENS if len(members) > 1 else MIN_VIEW_TOKENS):
             continue
@@ -130,7 +132,10 @@ class ModelRunner:
             state_slots=torch.tensor([s.state_slot for s in plan.seqs], dtype=torch.int64, device=dev),
             logits_rows=torch.tensor(rows, dtype=torch.int64, device=dev))
         # a shared prefix lies within what every member computed before this step
-        fb.groups = shared_prefixes([s.pages for s in plan.seqs], [s.computed_len for s in plan.seqs], ps, dev)
+        # groups of one only in decode: in a prefill the new tokens are many and are better read
+        # together with the rest of their sequence by one masked kernel
+        fb.groups = shared_prefixes([s.pages for s in plan.seqs], [s.computed_len for s in plan.seqs], ps, dev,
+                                    singles=plan.is_decode)
         if plan.is_decode:
             lens = [len(s) for s in seq_slots]
             fb.seq_lens = torch.tensor(lens, dtype=torch.int64, device=dev)
