@@ -213,11 +213,14 @@ class ExecutorInfo(Msg):
 
 
 class RadixRegister(Msg):
-    """An executor announces its KV pool; the radix service becomes the authority over its pages."""
+    """An executor announces its pool; the radix service becomes the authority over its KV pages
+    and (hybrid models) its state slots."""
     pool: str
     num_pages: int
     page_size: int
     cache: bool = True                # False: --disable-radix-cache (pages are never shared)
+    num_state_slots: int = 0          # > 0: a hybrid model; prefixes resume only from checkpoints
+    checkpoint_interval: int = 0      # also checkpoint long prefills every this many tokens (0: off)
 
 
 class RadixRegistered(Msg):
@@ -233,7 +236,8 @@ class Candidate(Msg):
 
 
 class Progress(Msg):
-    """The first `computed` tokens of a running request now have KV: cache them (prefill chunk done)."""
+    """The first `computed` tokens of a running request now have KV: cache them (prefill chunk done).
+    Hybrid: the planned checkpoints up to `computed` now hold their states."""
     rid: str
     computed: int
 
@@ -243,6 +247,7 @@ class Release(Msg):
     rid: str
     output_ids: list[int] = []
     computed: int = 0
+    tail: int = 0                     # hybrid: position whose state the tail slot holds (0: none)
 
 
 class RadixStep(Msg):
@@ -259,6 +264,12 @@ class Grant(Msg):
     rid: str
     cached_tokens: int                # prompt tokens whose KV is reused (a multiple of page_size)
     pages: list[int]                  # the request's page table: cached pages, then fresh ones
+    # hybrid models only
+    state_slot: int = -1              # the request's working state
+    restore_slot: int = -1            # copy this checkpoint into state_slot first (-1: start from zero)
+    tail_slot: int = -1               # decode copies the state here at every page boundary
+    checkpoints: list[int] = []       # prefill stops at these positions and copies the state ...
+    checkpoint_slots: list[int] = []  # ... into these slots
 
 
 class Deferred(Msg):

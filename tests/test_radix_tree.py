@@ -106,7 +106,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 10))
     def evict(self, n):
-        self.track(lambda: self.pool._release_pages(self.pool.tree.evict(n)))
+        self.track(lambda: self.pool._freed(self.pool.tree.evict(n)))
 
     @rule()
     def flush(self):
@@ -155,6 +155,118 @@ class PoolMachine(RuleBasedStateMachine):
         assert pool.tree.evictable_pages == len(unlocked)
 
 
+class HybridMachine(PoolMachine):
+    """The same, for a hybrid model: a prefix is usable only up to its deepest checkpointed state.
+    The oracle keeps {(namespace, prefix): state slot} and forgets what the tree dropped."""
+    PAGE = 2
+    PAGES = 20
+    SLOTS = 12
+
+    def __init__(self):
+        RuleBasedStateMachine.__init__(self)
+        self.pool = PagePool(self.PAGES, self.PAGE, num_state_slots=self.SLOTS, checkpoint_interval=4)
+        self.oracle, self.ostates, self.n = {}, {}, 0
+
+    def tree_states(self):
+        out = {}
+        for ns, root in self.pool.tree.roots.items():
+            stack = [(c, ()) for c in root.children.values()]
+            while stack:
+                node, toks = stack.pop()
+                toks = toks + node.key
+                if node.state is not None:
+                    out[(ns, toks)] = node.state
+                stack.extend((c, toks) for c in node.children.values())
+        return out
+
+    def track(self, op):
+        before_pages = set(self.tree_content().values())
+        before_states = self.tree_states()
+        out = op()
+        gone = before_pages - set(self.tree_content().values())
+        self.oracle = {k: v for k, v in self.oracle.items() if v not in gone}
+        after = self.tree_states()
+        for k in set(before_states) - set(after):
+            self.ostates.pop(k, None)
+        return out
+
+    def oracle_state_match(self, ns, toks):
+        kv = self.oracle_match(ns, toks)
+        best = 0
+        for p in range(self.PAGE, kv + 1, self.PAGE):
+            if (ns, tuple(toks[:p])) in self.ostates:
+                best = p
+        return best
+
+    @rule(ns=st.sampled_from(NAMESPACES), toks=tokens_st, reserve=st.integers(0, 4))
+    def acquire(self, ns, toks, reserve):
+        rid = f"r{self.n}"
+        self.n += 1
+        want = self.oracle_state_match(ns, toks[:-1])
+        grants, deferred = self.track(lambda: self.pool.admit(
+            [Candidate(rid=rid, namespace=ns, token_ids=toks, reserve=reserve)], budget=10**6, max_admit=8))
+        if grants:
+            g = grants[0]
+            assert g.cached_tokens == want       # resume exactly at the deepest checkpoint, never past it
+            assert (g.restore_slot >= 0) == (want > 0)
+            if want:
+                assert self.ostates[(ns, tuple(toks[:want]))] == g.restore_slot
+            assert all(p % self.PAGE == 0 and want < p <= len(toks) for p in g.checkpoints)
+
+    def _attached(self, h, upto, ns, toks):
+        for pos, slot in sorted(h.items()):
+            if pos <= upto:
+                self.ostates.setdefault((ns, tuple(toks[:pos])), slot)
+
+    @precondition(lambda self: self.pool.held)
+    @rule(data=st.data())
+    def progress(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.pool.held)))
+        h = self.pool.held[rid]
+        computed = data.draw(st.integers(0, len(h.tokens)))
+        ns, toks, pages, planned = h.namespace, list(h.tokens), list(h.pages), dict(h.planned)
+        self.track(lambda: self.pool.progress(Progress(rid=rid, computed=computed)))
+        k = computed // self.PAGE * self.PAGE
+        self.oracle_insert(ns, toks[:k], pages[:k // self.PAGE])
+        self._attached(planned, max(k, h.inserted), ns, toks)
+
+    @precondition(lambda self: self.pool.held)
+    @rule(data=st.data(), out=st.lists(st.integers(0, 2), max_size=5))
+    def release(self, data, out):
+        rid = data.draw(st.sampled_from(sorted(self.pool.held)))
+        h = self.pool.held[rid]
+        full = h.tokens + out
+        computed = data.draw(st.integers(0, min(len(full), len(h.pages) * self.PAGE)))
+        tail = data.draw(st.sampled_from([0] + list(range(self.PAGE, computed + 1, self.PAGE))))
+        ns, pages, planned, tail_slot, inserted = h.namespace, list(h.pages), dict(h.planned), h.tail, h.inserted
+        self.track(lambda: self.pool.release(Release(rid=rid, output_ids=out, computed=computed, tail=tail)))
+        k = computed // self.PAGE * self.PAGE
+        self.oracle_insert(ns, full[:k], pages[:k // self.PAGE])
+        upto = max(k, inserted)
+        self._attached(planned, upto, ns, full)
+        if 0 < tail <= upto:
+            self.ostates.setdefault((ns, tuple(full[:tail])), tail_slot)
+
+    @rule(n=st.integers(1, 4))
+    def evict_states(self, n):
+        locked = self.locked_pages()
+        self.track(lambda: self.pool._free_states.extend(self.pool.tree.evict_states(n)))
+        assert self.locked_pages() == locked
+
+    @invariant()
+    def states_equal_oracle(self):
+        assert self.tree_states() == self.ostates
+
+    @invariant()
+    def state_slots_are_conserved(self):
+        pool = self.pool
+        free = pool._free_states
+        cached = list(self.tree_states().values())
+        held = [s for h in pool.held.values() for s in [h.working, h.tail, *h.planned.values()]]
+        everything = free + cached + held
+        assert sorted(everything) == list(range(self.SLOTS))
+
+
 class PoolPage1(PoolMachine):
     PAGE = 1
     PAGES = 24
@@ -170,6 +282,8 @@ TestPoolPage1 = PoolPage1.TestCase
 TestPoolPage1.settings = SETTINGS
 TestPoolPage4 = PoolPage4.TestCase
 TestPoolPage4.settings = SETTINGS
+TestHybridPool = HybridMachine.TestCase
+TestHybridPool.settings = SETTINGS
 
 
 def test_namespaces_never_share():

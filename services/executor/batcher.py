@@ -6,7 +6,8 @@
 Admission is decided by the page authority (radix): longest cached prefix first, all-or-nothing,
 pages for the prompt plus every token the request may generate reserved up front, so a running
 request never needs a page mid-flight. Each step is either a prefill (chunks of prefilling
-sequences under the token budget) or a decode of every sequence past its prompt.
+sequences under the token budget, cut at planned state checkpoints) or a decode of every
+sequence past its prompt.
 """
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ class Batcher:
             seq = by_rid[g.rid]
             self.waiting.remove(seq)
             seq.pages, seq.cached_len, seq.computed_len = g.pages, g.cached_tokens, g.cached_tokens
+            seq.state_slot, seq.restore_slot, seq.tail_slot = g.state_slot, g.restore_slot, g.tail_slot
+            seq.checkpoints = dict(zip(g.checkpoints, g.checkpoint_slots))
             seq.status = Status.RUNNING
             self.running.append(seq)
             started.append(seq)
@@ -81,6 +84,9 @@ class Batcher:
         for s in self.running:
             if s.computed_len < s.prompt_len and budget > 0:
                 n = min(s.prompt_len - s.computed_len, budget)
+                # a chunk ends at the next planned checkpoint, where the state is copied out
+                ahead = [p - s.computed_len for p in s.checkpoints if p > s.computed_len]
+                n = min([n] + ahead)
                 prefill.append((s, n))
                 budget -= n
         if prefill:
@@ -95,7 +101,8 @@ class Batcher:
         """Take a finished or aborted sequence out; its pages go back through the next release."""
         if seq in self.running:
             self.running.remove(seq)
-            self.releases.append(Release(rid=seq.rid, output_ids=seq.output_ids, computed=seq.computed_len))
+            self.releases.append(Release(rid=seq.rid, output_ids=seq.output_ids, computed=seq.computed_len,
+                                         tail=seq.tail_pos))
             self._retry = True
         elif seq in self.waiting:
             self.waiting.remove(seq)

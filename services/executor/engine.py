@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass
 
 from radixflow.shared.errors import BadRequest, NotFound, RadixflowError
-from radixflow.shared.messages import ExecRequest, Progress, SeqOutput
+from radixflow.shared.messages import ExecRequest, Progress, RadixRegister, SeqOutput
 
-from .allocator import FreeList, pages_for
+from radixflow.services.radix.pool import pages_for
 from .batcher import Batcher, Plan
 from .pages import LocalPages, PageAuthority
 from .runner import ModelRunner
@@ -35,6 +35,8 @@ class EngineConfig:
     max_prefill_tokens: int = 8192
     disable_radix_cache: bool = False
     pool: str = "local"
+    state_slots: int = 0             # hybrid: DeltaNet state slots; 0: 2 per running request + 64 checkpoints
+    checkpoint_interval: int = 1024  # hybrid: also checkpoint long prefills every this many tokens
     # A burst of requests (an agent's fan-out) arrives over tens of milliseconds; prefilling it in
     # a few big steps costs about half as much per request as in many small ones. So when requests
     # are still arriving (the last one less than burst_gap_s ago), admission waits, up to
@@ -52,17 +54,18 @@ class Engine:
         total = cfg.max_total_tokens or max(131072, 2 * self.max_model_len)
         self.page_size = cfg.page_size
         self.num_pages = pages_for(total, cfg.page_size)
-        num_slots = cfg.max_running_requests + 1
+        # every running request holds a working and a tail slot; the rest hold checkpoints
+        num_slots = (cfg.state_slots or 2 * cfg.max_running_requests + 64) if spec.is_hybrid else 0
         self.runner = ModelRunner(cfg.model, device=cfg.device, page_size=cfg.page_size,
                                   num_pages=self.num_pages, num_state_slots=num_slots)
         self.spec = self.runner.spec
-        # Until hybrid state checkpoints exist, a hybrid prefix cannot be resumed from KV alone:
-        # sharing is off for hybrid models rather than wrong.
-        self.cache = not cfg.disable_radix_cache and not self.spec.is_hybrid
+        self.cache = not cfg.disable_radix_cache
         self.runner.warmup()
         self.pages = pages or LocalPages()
-        self.pages.register(self.num_pages, cfg.page_size, self.cache)
-        self.state_slots = FreeList(num_slots) if self.spec.is_hybrid else None
+        self._register = RadixRegister(pool=cfg.pool, num_pages=self.num_pages, page_size=cfg.page_size,
+                                       cache=self.cache, num_state_slots=num_slots,
+                                       checkpoint_interval=cfg.checkpoint_interval)
+        self.pages.register(self._register)
         self.batcher = Batcher(pool=cfg.pool, max_running=cfg.max_running_requests,
                                max_prefill_tokens=cfg.max_prefill_tokens)
         self._lock = threading.Lock()
@@ -175,7 +178,7 @@ class Engine:
         except NotFound:
             # the authority restarted and forgot our pool: every page we hold may be handed out again
             lost = self.batcher.fail_all()
-            self.pages.register(self.num_pages, self.page_size, self.cache)
+            self.pages.register(self._register)
             return [self._error(s, 503, "the radix service restarted; the request's KV was lost") for s in lost]
         except RadixflowError as e:
             cands = {c.rid for c in msg.candidates}
@@ -187,14 +190,21 @@ class Engine:
             self.counters["prompt_tokens_total"] += s.prompt_len
             self.counters["cached_tokens_total"] += s.cached_len
             self.counters["requests_total"] += 1
-            if self.state_slots is not None:
-                s.state_slot = self.state_slots.alloc(1)[0]   # max_running + 1 slots: never short
         return []
 
     def _postprocess(self, plan: Plan, toks: dict[int, int]) -> list[tuple[str, SeqOutput]]:
         outs = []
+        state = self.runner.state
         for i, (seq, ext) in enumerate(zip(plan.seqs, plan.extend_lens)):
             seq.computed_len += ext
+            if state is not None:
+                # the working state now summarizes exactly computed_len tokens: copy it out where planned
+                slot = seq.checkpoints.get(seq.computed_len)
+                if slot is not None:
+                    state.copy(seq.state_slot, slot)
+                elif plan.is_decode and seq.computed_len % self.page_size == 0 and seq.tail_slot >= 0:
+                    state.copy(seq.state_slot, seq.tail_slot)
+                    seq.tail_pos = seq.computed_len
             if not plan.is_decode:
                 self.counters["prefill_tokens_computed_total"] += ext
                 if self.cache and seq.computed_len <= seq.prompt_len:
@@ -222,9 +232,6 @@ class Engine:
 
     def _finish(self, seq: Sequence, new: list[int]) -> tuple[str, SeqOutput]:
         self.batcher.finish(seq)
-        if self.state_slots is not None and seq.state_slot >= 0:
-            self.state_slots.free([seq.state_slot])
-            seq.state_slot = -1
         with self._lock:
             self._live.pop(seq.rid, None)
         subject, out = self._output(seq, new)

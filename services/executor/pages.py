@@ -19,8 +19,8 @@ from radixflow.shared.messages import RadixRegister, RadixRegistered, RadixStep,
 
 class PageAuthority(ABC):
     @abstractmethod
-    def register(self, num_pages: int, page_size: int, cache: bool) -> None:
-        """(Re)create this executor's pool: every page free, nothing cached, nothing held."""
+    def register(self, msg: RadixRegister) -> None:
+        """(Re)create this executor's pool: every page and state slot free, nothing cached or held."""
 
     @abstractmethod
     def step(self, msg: RadixStep) -> RadixStepReply:
@@ -35,8 +35,8 @@ class LocalPages(PageAuthority):
     def __init__(self) -> None:
         self.pool: PagePool | None = None
 
-    def register(self, num_pages: int, page_size: int, cache: bool) -> None:
-        self.pool = PagePool(num_pages, page_size, cache)
+    def register(self, msg: RadixRegister) -> None:
+        self.pool = PagePool(msg.num_pages, msg.page_size, msg.cache, msg.num_state_slots, msg.checkpoint_interval)
 
     def step(self, msg: RadixStep) -> RadixStepReply:
         return self.pool.step(msg)
@@ -55,10 +55,10 @@ class RemotePages(PageAuthority):
         fut = asyncio.run_coroutine_threadsafe(self.bus.request(subject, msg, reply, timeout=self.timeout_s), self.loop)
         return fut.result(self.timeout_s + 1)
 
-    def register(self, num_pages: int, page_size: int, cache: bool, wait_s: float = 30.0) -> None:
+    def register(self, msg: RadixRegister, wait_s: float = 30.0) -> None:
         """Register, waiting (bounded) for the radix service to come up: services start in any order."""
         deadline = time.monotonic() + wait_s
-        msg = RadixRegister(pool=self.pool, num_pages=num_pages, page_size=page_size, cache=cache)
+        msg.pool = self.pool
         while True:
             try:
                 self._call(subjects.RADIX_REGISTER, msg, RadixRegistered)

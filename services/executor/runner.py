@@ -153,9 +153,14 @@ class ModelRunner:
 
     def run(self, plan: Plan) -> dict[int, int]:
         """Run one step; returns {index in plan.seqs: sampled token} for sequences that produce one."""
-        for seq in plan.seqs:
-            if seq.computed_len == 0 and self.state is not None:
-                self.state.reset(seq.state_slot)
+        if self.state is not None:
+            for seq in plan.seqs:
+                if not seq.state_ready:   # first step: resume from the checkpoint, or from zero
+                    if seq.restore_slot >= 0:
+                        self.state.copy(seq.restore_slot, seq.state_slot)
+                    else:
+                        self.state.reset(seq.state_slot)
+                    seq.state_ready = True
         fb, want = self.build(plan)
         logits = self.model(fb, self.kv, self.state)
         seqs = [plan.seqs[i] for i in want]

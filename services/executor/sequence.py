@@ -42,6 +42,12 @@ class Sequence:
     matched_stop: int | None = None
     reported: int = 0            # output tokens already sent to the scheduler
     slots: torch.Tensor | None = None   # every token slot of `pages` (the runner's cache)
+    # hybrid models: the working state slot is state_slot; these come with the grant
+    restore_slot: int = -1       # checkpoint to start from (its state is the one after cached_len tokens)
+    state_ready: bool = False    # the working slot has been restored or zeroed
+    checkpoints: dict[int, int] = field(default_factory=dict)   # position -> slot to copy the state into
+    tail_slot: int = -1          # decode keeps the state of the latest page boundary here ...
+    tail_pos: int = 0            # ... which is this position (0: none yet)
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.tokens)

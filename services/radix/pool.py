@@ -1,22 +1,32 @@
-"""PagePool: the authority over one executor pool's KV pages. Every page is in exactly one place:
+"""PagePool: the authority over one executor pool's KV pages and, for hybrid models, its state
+slots. Every page and every slot is in exactly one place:
 
-    free list  |  the tree (cached, shared; evictable when unlocked)  |  private to a running request
+    pages:  free list  |  the tree (cached, shared)  |  private to a running request
+    slots:  free list  |  a tree node's checkpoint   |  a running request's working / tail / planned
 
-A running request locks the deepest tree node of its cached prefix (so none of it is evicted) and
-owns private pages for the rest of its prompt and its reserved output. Progress and release insert
-its computed pages into the tree; pages the tree did not take are freed at release.
+A running request locks the deepest tree node of its KV match (so none of it, nor the checkpoints on
+that path, is evicted) and owns private pages for the rest of its prompt and reserved output.
+Progress and release insert its computed pages into the tree; pages the tree did not take are
+freed at release.
+
+Hybrid models: a prefix is resumable only from a node that carries a state (the DeltaNet state after
+that node's last token). A request resumes from the deepest one on its match and recomputes the KV
+after it; its grant plans checkpoints where reuse will happen: the branching point (where its KV
+match ends, so the next sibling resumes exactly there), every `checkpoint_interval` tokens, and the
+last page boundary of its prompt. During decode the executor keeps a tail checkpoint at the latest
+page boundary, inserted at release (the next turn of a conversation resumes from it).
 
 With cache=False (--disable-radix-cache) nothing is matched or inserted: the same engine without
 sharing, the baseline every cache claim is measured against.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from radixflow.shared.messages import (Candidate, Deferred, Grant, Progress, RadixStep, RadixStepReply,
                                        Release)
 
-from .tree import Node, RadixTree
+from .tree import Evicted, Node, RadixTree
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -28,23 +38,32 @@ class Held:
     namespace: str
     tokens: list[int]
     pages: list[int]      # the request's whole page table
-    node: Node            # locked: the deepest tree node of its cached / inserted prefix
+    node: Node            # locked: the deepest tree node of its KV match / inserted prefix
     inserted: int = 0     # tokens already inserted into the tree
     computing: tuple | None = None   # the uncached page it computes first (see PagePool._next_page)
+    working: int = -1                # state slots (hybrid)
+    tail: int = -1
+    planned: dict[int, int] = field(default_factory=dict)   # checkpoint position -> slot
 
 
 class PagePool:
-    def __init__(self, num_pages: int, page_size: int, cache: bool = True):
+    def __init__(self, num_pages: int, page_size: int, cache: bool = True, num_state_slots: int = 0,
+                 checkpoint_interval: int = 0):
         self.num_pages = num_pages
         self.page_size = page_size
         self.cache = cache
         self.tree = RadixTree(page_size)
         self._free = list(range(num_pages - 1, -1, -1))
+        self.num_state_slots = num_state_slots
+        self.hybrid = num_state_slots > 0
+        self.interval = checkpoint_interval // page_size * page_size
+        self._free_states = list(range(num_state_slots - 1, -1, -1))
         self.held: dict[str, Held] = {}
-        self.evicted_total = 0
         # first uncached page of each admitted request, until its progress puts it in the tree:
         # a later candidate with the same next page waits for that instead of computing it too
         self.computing: dict[tuple, str] = {}
+        self.counters = {"evicted_pages_total": 0, "state_checkpoints_total": 0, "state_restores_total": 0,
+                         "state_recomputed_tokens_total": 0, "evicted_states_total": 0}
 
     # ------------------------------------------------------------ accounting
 
@@ -56,14 +75,27 @@ class PagePool:
     def private_pages(self) -> int:
         return self.num_pages - self.free_pages - self.tree.cached_pages
 
+    def _freed(self, ev: Evicted) -> None:
+        self._free.extend(ev.pages)
+        self._free_states.extend(ev.states)
+        self.counters["evicted_pages_total"] += len(ev.pages)
+        self.counters["evicted_states_total"] += len(ev.states)
+
     def _alloc(self, n: int) -> list[int] | None:
         if n > len(self._free):
-            evicted = self.tree.evict(n - len(self._free))
-            self.evicted_total += len(evicted)
-            self._free.extend(evicted)
+            self._freed(self.tree.evict(n - len(self._free)))
         if n > len(self._free):
             return None
         return [self._free.pop() for _ in range(n)]
+
+    def _alloc_states(self, n: int) -> list[int] | None:
+        if n > len(self._free_states):
+            dropped = self.tree.evict_states(n - len(self._free_states))
+            self.counters["evicted_states_total"] += len(dropped)
+            self._free_states.extend(dropped)
+        if n > len(self._free_states):
+            return None
+        return [self._free_states.pop() for _ in range(n)]
 
     def _release_pages(self, pages: list[int]) -> None:
         self._free.extend(pages)
@@ -83,14 +115,25 @@ class PagePool:
         """Cached tokens a request would reuse; at least one prompt token is always computed."""
         if not self.cache or len(tokens) <= 1:
             return 0
-        return self.tree.match(namespace, tokens[:-1], split=False).length
+        m = self.tree.match(namespace, tokens[:-1], split=False)
+        return m.state_len if self.hybrid else m.length
+
+    def _plan(self, tokens: list[int], usable: int, kv_len: int) -> list[int]:
+        """Checkpoint positions for a hybrid request resuming at `usable` whose KV match ends at
+        `kv_len`: the branching point, every `interval` tokens, the last page boundary of the prompt."""
+        if not self.cache:
+            return []
+        end = len(tokens) // self.page_size * self.page_size
+        pos = {kv_len, end} | (set(range(self.interval, end + 1, self.interval)) if self.interval else set())
+        return sorted(p for p in pos if usable < p <= end)
 
     def admit(self, cands: list[Candidate], budget: int, max_admit: int) -> tuple[list[Grant], list[Deferred]]:
-        """Longest cached prefix first (arrival order among equals), all-or-nothing per request."""
+        """Longest usable cached prefix first (arrival order among equals), all-or-nothing per request."""
         matches = []
         for c in cands:
             m = self.tree.match(c.namespace, c.token_ids[:-1]) if self.cache and len(c.token_ids) > 1 else None
-            matches.append((c, m, m.length if m else 0))
+            usable = 0 if m is None else m.state_len if self.hybrid else m.length
+            matches.append((c, m, usable))
         matches.sort(key=lambda x: -x[2])
         grants: list[Grant] = []
         deferred: list[Deferred] = []
@@ -108,23 +151,43 @@ class PagePool:
             elif nxt is not None and nxt in self.computing:
                 reason = "shared-prefix"     # let the other compute it once; this one reuses it next step
             if reason is None:
-                node = m.node if m else self.tree.root(c.namespace)
-                cached_pages = m.pages if m else []
-                self.tree.lock(node)
-                fresh = self._alloc(pages_for(len(c.token_ids) + c.reserve, self.page_size) - len(cached_pages))
-                if fresh is None:
-                    self.tree.unlock(node)
+                g = self._grant(c, m, cached, nxt)
+                if g is None:
                     blocked = True           # keep arrival order under memory pressure: no overtaking
                     reason = "memory"
                 else:
-                    self.held[c.rid] = Held(c.namespace, list(c.token_ids), cached_pages + fresh, node, cached, nxt)
-                    grants.append(Grant(rid=c.rid, cached_tokens=cached, pages=cached_pages + fresh))
-                    if nxt is not None:
-                        self.computing[nxt] = c.rid
+                    grants.append(g)
                     budget -= extend
             if reason is not None:
                 deferred.append(Deferred(rid=c.rid, cached_tokens=cached, reason=reason))
         return grants, deferred
+
+    def _grant(self, c: Candidate, m, cached: int, nxt: tuple | None) -> Grant | None:
+        node = m.node if m else self.tree.root(c.namespace)
+        cached_pages = m.pages[: cached // self.page_size] if m else []
+        plan = self._plan(c.token_ids, cached, m.length if m else 0) if self.hybrid else []
+        self.tree.lock(node)
+        fresh = self._alloc(pages_for(len(c.token_ids) + c.reserve, self.page_size) - len(cached_pages))
+        slots = self._alloc_states(2 + len(plan)) if self.hybrid and fresh is not None else []
+        if fresh is None or slots is None:
+            self.tree.unlock(node)
+            if fresh:
+                self._release_pages(fresh)
+            return None
+        pages = cached_pages + fresh
+        h = Held(c.namespace, list(c.token_ids), pages, node, cached, nxt)
+        g = Grant(rid=c.rid, cached_tokens=cached, pages=pages)
+        if self.hybrid:
+            h.working, h.tail, h.planned = slots[0], slots[1], dict(zip(plan, slots[2:]))
+            g.state_slot, g.tail_slot, g.checkpoints, g.checkpoint_slots = h.working, h.tail, plan, slots[2:]
+            if cached:
+                g.restore_slot = m.state_node.state
+                self.counters["state_restores_total"] += 1
+            self.counters["state_recomputed_tokens_total"] += (m.length - cached) if m else 0
+        self.held[c.rid] = h
+        if nxt is not None:
+            self.computing[nxt] = c.rid
+        return g
 
     def _next_page(self, c: Candidate, cached: int) -> tuple | None:
         """Two requests whose cached prefixes end at the same point and whose next page is the same
@@ -139,6 +202,7 @@ class PagePool:
         if h is None or not self.cache:
             return
         self._insert(h, p.computed)
+        self._attach_planned(h, p.computed)
 
     def _insert(self, h: Held, computed: int) -> None:
         """Insert the first `computed` tokens (whole pages) and move the request's lock down to them."""
@@ -150,6 +214,22 @@ class PagePool:
         self.tree.unlock(h.node)
         h.node, h.inserted = node, k
         self._done_computing(h)
+
+    def _checkpoint(self, h: Held, pos: int, slot: int) -> bool:
+        """Hand `slot` (holding the state after `pos` tokens) to the tree node ending at `pos`."""
+        if not 0 < pos <= h.inserted:
+            return False
+        node = self.tree.match(h.namespace, h.tokens[:pos]).node   # splits so a node ends at pos
+        if self.tree.set_state(node, slot):
+            self.counters["state_checkpoints_total"] += 1
+            return True
+        return False
+
+    def _attach_planned(self, h: Held, computed: int) -> None:
+        for pos in [p for p in h.planned if p <= computed]:
+            slot = h.planned.pop(pos)
+            if not self._checkpoint(h, pos, slot):
+                self._free_states.append(slot)
 
     def _done_computing(self, h: Held) -> None:
         if h.computing is not None and self.computing.get(h.computing) is not None:
@@ -165,8 +245,15 @@ class PagePool:
         if not self.cache:
             self.tree.unlock(h.node)
             self._release_pages(h.pages)
+            self._free_states.extend(s for s in (h.working, h.tail) if s >= 0)
+            self._free_states.extend(h.planned.values())
             return
         self._insert(h, r.computed)
+        if self.hybrid:
+            self._attach_planned(h, r.computed)
+            self._free_states.extend(h.planned.values())
+            keep_tail = r.tail > 0 and self._checkpoint(h, r.tail, h.tail)
+            self._free_states.extend([h.working] + ([] if keep_tail else [h.tail]))
         self.tree.unlock(h.node)
         # the tree keeps, for the inserted prefix, either this request's page or its own copy
         k = h.inserted // self.page_size
@@ -174,12 +261,19 @@ class PagePool:
         self._release_pages([p for p in h.pages[:k] if p not in kept] + h.pages[k:])
 
     def flush(self) -> int:
-        freed = self.tree.flush()
-        self._release_pages(freed)
-        return len(freed)
+        ev = self.tree.flush()
+        self._freed(ev)
+        self.counters["evicted_pages_total"] -= len(ev.pages)      # a flush is not pressure
+        self.counters["evicted_states_total"] -= len(ev.states)
+        return len(ev.pages)
 
     def stats(self) -> dict[str, int]:
-        return {"kv_pages_total": self.num_pages, "kv_pages_free": self.free_pages,
-                "kv_pages_used": self.num_pages - self.free_pages, "kv_pages_cached": self.tree.cached_pages,
-                "kv_pages_evictable": self.tree.evictable_pages, "kv_pages_private": self.private_pages,
-                "evicted_pages_total": self.evicted_total, "requests_held": len(self.held)}
+        out = {"kv_pages_total": self.num_pages, "kv_pages_free": self.free_pages,
+               "kv_pages_used": self.num_pages - self.free_pages, "kv_pages_cached": self.tree.cached_pages,
+               "kv_pages_evictable": self.tree.evictable_pages, "kv_pages_private": self.private_pages,
+               "requests_held": len(self.held)} | self.counters
+        if self.hybrid:
+            out |= {"state_slots_total": self.num_state_slots, "state_slots_free": len(self._free_states),
+                    "state_slots_used": self.num_state_slots - len(self._free_states),
+                    "state_slots_cached": sum(1 for n in self.tree.nodes() if n.state is not None)}
+        return out

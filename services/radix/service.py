@@ -1,6 +1,6 @@
-"""Radix service: the single authority over the KV pages of every executor pool. A thin shell
-around one PagePool per executor (pool.py); an executor registers its pool, then sends one
-RadixStep per scheduling step. Pools of executors that stop beating are dropped.
+"""Radix service: the single authority over the KV pages and state slots of every executor pool.
+A thin shell around one PagePool per executor (pool.py); an executor registers its pool, then
+sends one RadixStep per scheduling step. Pools of executors that stop beating are dropped.
 
 Run exactly one radix instance: the pools are its state."""
 from __future__ import annotations
@@ -40,9 +40,11 @@ class RadixService(Actor):
     async def register(self, req: RadixRegister) -> RadixRegistered:
         if req.num_pages <= 0 or req.page_size <= 0:
             raise BadRequest("num_pages and page_size must be positive")
-        self.pools[req.pool] = PagePool(req.num_pages, req.page_size, req.cache)
+        self.pools[req.pool] = PagePool(req.num_pages, req.page_size, req.cache, req.num_state_slots,
+                                        req.checkpoint_interval)
         self.seen[req.pool] = time.monotonic()
-        self.log.info("pool registered", pool=req.pool, pages=req.num_pages, page_size=req.page_size, cache=req.cache)
+        self.log.info("pool registered", pool=req.pool, pages=req.num_pages, page_size=req.page_size, cache=req.cache,
+                      state_slots=req.num_state_slots)
         return RadixRegistered(pool=req.pool)
 
     async def step(self, req: RadixStep) -> RadixStepReply:
@@ -80,6 +82,9 @@ class RadixService(Actor):
         out = []
         for name, pool in self.pools.items():
             st = pool.stats()
-            for key in ("kv_pages_used", "kv_pages_total", "kv_pages_evictable", "kv_pages_cached", "evicted_pages_total"):
-                out.append(Sample(name=key, value=st[key], labels={"pool": name}))
+            for key in ("kv_pages_used", "kv_pages_total", "kv_pages_evictable", "kv_pages_cached", "evicted_pages_total",
+                        "state_slots_used", "state_slots_total", "state_slots_cached", "state_checkpoints_total",
+                        "state_restores_total", "state_recomputed_tokens_total", "evicted_states_total"):
+                if key in st:
+                    out.append(Sample(name=key, value=st[key], labels={"pool": name}))
         return out

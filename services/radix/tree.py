@@ -7,8 +7,12 @@
   on a node boundary (that node is what a request locks);
 - lock counts propagate to the root: a node with lock == 0 has no locked descendant, so every page
   of an unlocked node is evictable, eventually (leaves first);
-- evict frees least-recently-used unlocked leaves, repeatedly, until enough pages are free.
-No torch, no I/O: page ids are plain ints owned by whoever allocates them (PagePool).
+- evict frees least-recently-used unlocked leaves, repeatedly, until enough pages are free;
+- for hybrid models a node may also carry a state slot: the recurrent state after its last token.
+  A prefix is resumable only up to the deepest node with a state (`Match.state_len`). States have
+  an LRU of their own (`evict_states`): dropping a state keeps the node's KV, and a node without a
+  state still serves as KV for deeper nodes that have one. A locked node keeps its state too.
+No torch, no I/O: page and slot ids are plain ints owned by whoever allocates them (PagePool).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ class Node:
     lock: int = 0
     last_access: int = 0
     namespace: str = ""
+    state: int | None = None    # state slot holding the recurrent state after this node's last token
 
     @property
     def is_root(self) -> bool:
@@ -39,6 +44,13 @@ class Match(NamedTuple):
     node: Node          # deepest matched node (the root when nothing matched)
     length: int         # matched tokens, a multiple of page_size
     pages: list[int]    # the pages of those tokens, in order
+    state_len: int = 0              # end of the deepest matched node carrying a state (0: none)
+    state_node: Node | None = None  # that node
+
+
+class Evicted(NamedTuple):
+    pages: list[int]
+    states: list[int]
 
 
 class RadixTree:
@@ -63,6 +75,7 @@ class RadixTree:
         """Longest cached page-aligned prefix of `tokens` in `namespace`. With split=False the tree is
         left untouched (and the match may end inside a node; `node` is then the last full node)."""
         node, i, pages, ps = self.root(namespace), 0, [], self.page_size
+        state_len, state_node = 0, None
         now = next(_clock)
         node.last_access = now
         limit = len(tokens) - len(tokens) % ps
@@ -81,7 +94,9 @@ class RadixTree:
             pages.extend(child.pages)
             i += len(child.key)
             node = child
-        return Match(node, i, pages)
+            if node.state is not None:
+                state_len, state_node = i, node
+        return Match(node, i, pages, state_len, state_node)
 
     def insert(self, namespace: str, tokens: list[int], pages: list[int]) -> Node:
         """Cache `tokens` (a whole number of pages) backed by `pages`; returns the node ending at
@@ -148,25 +163,46 @@ class RadixTree:
 
     # ------------------------------------------------------------ eviction
 
-    def evict(self, n_pages: int) -> list[int]:
-        """Free at least n_pages (fewer if not enough are unlocked), LRU leaves first."""
+    def evict(self, n_pages: int) -> Evicted:
+        """Free at least n_pages (fewer if not enough are unlocked), LRU leaves first; a leaf's
+        state slot goes with it."""
         heap = [(n.last_access, id(n), n) for n in self.nodes() if not n.children and n.lock == 0]
         heapq.heapify(heap)
         freed: list[int] = []
+        states: list[int] = []
         while heap and len(freed) < n_pages:
             _, _, leaf = heapq.heappop(heap)
             freed.extend(leaf.pages)
+            if leaf.state is not None:
+                states.append(leaf.state)
+                leaf.state = None
             parent = leaf.parent
             del parent.children[leaf.key[:self.page_size]]
             self.cached_pages -= len(leaf.pages)
             self.evictable_pages -= len(leaf.pages)
             if not parent.children and parent.lock == 0 and not parent.is_root:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
-        return freed
+        return Evicted(freed, states)
 
-    def flush(self) -> list[int]:
-        """Free every unlocked page."""
+    def evict_states(self, n: int) -> list[int]:
+        """Drop the states of up to n unlocked nodes, least recently used first; their KV stays."""
+        cands = sorted((x for x in self.nodes() if x.state is not None and x.lock == 0), key=lambda x: x.last_access)
+        out = []
+        for x in cands[:n]:
+            out.append(x.state)
+            x.state = None
+        return out
+
+    def flush(self) -> Evicted:
+        """Free every unlocked page (and the states of those nodes)."""
         return self.evict(self.evictable_pages)
+
+    def set_state(self, node: Node, slot: int) -> bool:
+        """Attach a checkpoint to `node`; False if it already has one (the caller keeps its slot)."""
+        if node.state is not None or node.is_root:
+            return False
+        node.state = slot
+        return True
 
     # ------------------------------------------------------------ inspection
 
