@@ -164,7 +164,7 @@ class HybridMachine(PoolMachine):
 
     def __init__(self):
         RuleBasedStateMachine.__init__(self)
-        self.pool = PagePool(self.PAGES, self.PAGE, num_state_slots=self.SLOTS, checkpoint_interval=4)
+        self.pool = PagePool(self.PAGES, self.PAGE, num_state_slots=self.SLOTS, checkpoint_interval=0)
         self.oracle, self.ostates, self.n = {}, {}, 0
 
     def tree_states(self):
@@ -247,11 +247,22 @@ class HybridMachine(PoolMachine):
         if 0 < tail <= upto:
             self.ostates.setdefault((ns, tuple(full[:tail])), tail_slot)
 
+    def locked_states(self) -> set[int]:
+        out = set()
+        for h in self.pool.held.values():
+            n = h.node
+            while n is not None:
+                if n.state is not None:
+                    out.add(n.state)
+                n = n.parent
+        return out
+
     @rule(n=st.integers(1, 4))
     def evict_states(self, n):
-        locked = self.locked_pages()
+        locked, kv = self.locked_states(), self.tree_content()
         self.track(lambda: self.pool._free_states.extend(self.pool.tree.evict_states(n)))
-        assert self.locked_pages() == locked
+        assert locked <= set(self.tree_states().values())   # a locked path keeps its checkpoints
+        assert self.tree_content() == kv                      # dropping states keeps every page
 
     @invariant()
     def states_equal_oracle(self):
