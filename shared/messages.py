@@ -175,6 +175,7 @@ class ExecRequest(Msg):
     eos_token_ids: list[int] = []
     namespace: str = "default"        # cache namespace: tenant plus optional cache_salt
     output_subject: str = ""          # where the executor publishes StepOutput for this request
+    checkpoint_at: list[int] = []     # hybrid: also keep the state at these prompt positions (fork points)
 
 
 class ExecAccepted(Msg):
@@ -233,6 +234,7 @@ class Candidate(Msg):
     namespace: str
     token_ids: list[int]
     reserve: int                      # tokens beyond the prompt to reserve pages for (max_new_tokens)
+    checkpoint_at: list[int] = []     # hybrid: extra checkpoints asked for (the programs' fork points)
 
 
 class Progress(Msg):

@@ -149,3 +149,16 @@ def test_evicting_states_keeps_kv_and_outputs(models, engines):
     assert got == want
     st = tight.pages.stats()
     assert st["evicted_states_total"] > 0 and st["evicted_pages_total"] == 0
+
+
+def test_fork_point_checkpoint_hook(engines):
+    """The programs issue's hook: a request may ask for checkpoints at fork points of its prompt."""
+    on, off, _ = engines
+    x = toks(400, 260)
+    r = req("fork", x)
+    r.checkpoint_at = [100]
+    run(on, [r])
+    y = x[:110] + toks(401, 40)                      # diverges after the fork point
+    got, meta = run(on, [req("child", y)])
+    want, _ = run(off, [req("child", y)])
+    assert meta["child"] == 96 and got == want       # 100 rounded down to its page boundary

@@ -52,8 +52,8 @@ class Batcher:
         cands = []
         slots = self.max_running - len(self.running)
         if self._retry and slots > 0:
-            cands = [Candidate(rid=s.rid, namespace=s.namespace, token_ids=s.tokens, reserve=s.sampling.max_new_tokens)
-                     for s in list(self.waiting)[: self.max_candidates]]
+            cands = [Candidate(rid=s.rid, namespace=s.namespace, token_ids=s.tokens, reserve=s.sampling.max_new_tokens,
+                               checkpoint_at=s.checkpoint_at) for s in list(self.waiting)[: self.max_candidates]]
         if not (cands or self.progress or self.releases):
             return None
         busy = sum(s.prompt_len - s.computed_len for s in self.running if s.computed_len < s.prompt_len)

@@ -36,7 +36,7 @@ class EngineConfig:
     disable_radix_cache: bool = False
     pool: str = "local"
     state_slots: int = 0             # hybrid: DeltaNet state slots; 0: 2 per running request + 64 checkpoints
-    checkpoint_interval: int = 1024  # hybrid: also checkpoint long prefills every this many tokens
+    checkpoint_interval: int = 0     # hybrid: checkpoint long prefills every this many tokens (0: chunk size)
     # A burst of requests (an agent's fan-out) arrives over tens of milliseconds; prefilling it in
     # a few big steps costs about half as much per request as in many small ones. So when requests
     # are still arriving (the last one less than burst_gap_s ago), admission waits, up to
@@ -64,7 +64,7 @@ class Engine:
         self.pages = pages or LocalPages()
         self._register = RadixRegister(pool=cfg.pool, num_pages=self.num_pages, page_size=cfg.page_size,
                                        cache=self.cache, num_state_slots=num_slots,
-                                       checkpoint_interval=cfg.checkpoint_interval)
+                                       checkpoint_interval=cfg.checkpoint_interval or cfg.max_prefill_tokens)
         self.pages.register(self._register)
         self.batcher = Batcher(pool=cfg.pool, max_running=cfg.max_running_requests,
                                max_prefill_tokens=cfg.max_prefill_tokens)
@@ -97,7 +97,7 @@ class Engine:
         self.validate(req)
         seq = Sequence(rid=req.rid, tokens=list(req.input_ids), sampling=req.sampling,
                        eos_ids=frozenset(req.eos_token_ids), namespace=req.namespace,
-                       output_subject=req.output_subject)
+                       output_subject=req.output_subject, checkpoint_at=list(req.checkpoint_at))
         with self._lock:
             if req.rid in self._live or any(s.rid == req.rid for s in self._new):
                 raise BadRequest(f"request id {req.rid!r} is already running", param="rid")

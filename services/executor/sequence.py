@@ -48,6 +48,7 @@ class Sequence:
     checkpoints: dict[int, int] = field(default_factory=dict)   # position -> slot to copy the state into
     tail_slot: int = -1          # decode keeps the state of the latest page boundary here ...
     tail_pos: int = 0            # ... which is this position (0: none yet)
+    checkpoint_at: list[int] = field(default_factory=list)   # extra checkpoints asked for (fork points)
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.tokens)

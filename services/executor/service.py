@@ -57,7 +57,8 @@ class ExecutorService(Actor):
                             max_total_tokens=cfg.max_total_tokens, max_model_len=cfg.max_model_len,
                             max_running_requests=cfg.max_running_requests, max_prefill_tokens=cfg.max_prefill_tokens,
                             disable_radix_cache=cfg.disable_radix_cache, pool=self.instance,
-                            burst_gap_s=cfg.burst_gap_s, burst_wait_s=cfg.burst_wait_s)
+                            burst_gap_s=cfg.burst_gap_s, burst_wait_s=cfg.burst_wait_s,
+                            state_slots=cfg.state_slots, checkpoint_interval=cfg.checkpoint_interval)
         loop = asyncio.get_running_loop()
         pages = RemotePages(self.bus, loop, self.instance)
         self.engine = await loop.run_in_executor(self._thread, Engine, ecfg, pages)

@@ -118,13 +118,16 @@ class PagePool:
         m = self.tree.match(namespace, tokens[:-1], split=False)
         return m.state_len if self.hybrid else m.length
 
-    def _plan(self, tokens: list[int], usable: int, kv_len: int) -> list[int]:
+    def _plan(self, tokens: list[int], usable: int, kv_len: int, extra: list[int]) -> list[int]:
         """Checkpoint positions for a hybrid request resuming at `usable` whose KV match ends at
-        `kv_len`: the branching point, every `interval` tokens, the last page boundary of the prompt."""
+        `kv_len`: the branching point, every `interval` tokens (the chunk boundaries of a long
+        prefill), the last page boundary of the prompt, and any fork points the caller asked for
+        (rounded down to a page boundary: the tree holds whole pages)."""
         if not self.cache:
             return []
         end = len(tokens) // self.page_size * self.page_size
         pos = {kv_len, end} | (set(range(self.interval, end + 1, self.interval)) if self.interval else set())
+        pos |= {p // self.page_size * self.page_size for p in extra}
         return sorted(p for p in pos if usable < p <= end)
 
     def admit(self, cands: list[Candidate], budget: int, max_admit: int) -> tuple[list[Grant], list[Deferred]]:
@@ -165,7 +168,7 @@ class PagePool:
     def _grant(self, c: Candidate, m, cached: int, nxt: tuple | None) -> Grant | None:
         node = m.node if m else self.tree.root(c.namespace)
         cached_pages = m.pages[: cached // self.page_size] if m else []
-        plan = self._plan(c.token_ids, cached, m.length if m else 0) if self.hybrid else []
+        plan = self._plan(c.token_ids, cached, m.length if m else 0, c.checkpoint_at) if self.hybrid else []
         self.tree.lock(node)
         fresh = self._alloc(pages_for(len(c.token_ids) + c.reserve, self.page_size) - len(cached_pages))
         slots = self._alloc_states(2 + len(plan)) if self.hybrid and fresh is not None else []
