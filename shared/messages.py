@@ -315,6 +315,13 @@ class Sample(Msg):
     labels: dict[str, str] = {}
 
 
+class MemoryReply(Msg):
+    """An executor's realized memory: bytes per token and per state slot, dtypes, pool sizes."""
+    instance: str
+    model: str
+    report: dict[str, Any]
+
+
 class MetricsReply(Msg):
     service: str
     instance: str

@@ -13,6 +13,7 @@
     rf.radix.place                 req/reply      RadixPlace -> RadixPlaceReply (cache-aware placement)
     rf.radix.flush                 req/reply      RadixFlush -> RadixFlushed
     rf.metrics                     scatter/gather StatusRequest -> MetricsReply from every instance
+    rf.memory                      scatter/gather StatusRequest -> MemoryReply from every executor
     rf.executor.<id>.submit        req/reply      ExecRequest -> ExecAccepted | ErrorReply
     rf.executor.<id>.abort         publish        AbortRequest
     rf.scheduler.<id>.output       publish        StepOutput (executor -> the scheduler that submitted)
@@ -34,6 +35,7 @@ RADIX_REGISTER = "rf.radix.register"
 RADIX_PLACE = "rf.radix.place"
 RADIX_FLUSH = "rf.radix.flush"
 METRICS = "rf.metrics"
+MEMORY = "rf.memory"
 
 
 def radix_step(pool: str) -> str:

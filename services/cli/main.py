@@ -4,6 +4,7 @@
     radixflow service NAME --nats-url URL [--model DIR] ...          one service
     radixflow make-model PRESET DIR                                  a tiny HF checkpoint (tiny-dense, tiny-hybrid)
     radixflow schemas [--check]                                      write (or check) schemas/*.json
+    radixflow memory [CONFIG] [--prefix-tokens N --copies C --json]  cache memory: calculator, or a server's
     radixflow bench decode|latency|shared-prefix [--model ...]       benchmarks beside their baselines
 """
 from __future__ import annotations
@@ -40,6 +41,9 @@ def _serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--disable-radix-cache", action="store_true", default=None)
+    p.add_argument("--state-slots", type=int, default=None, help="hybrid models: DeltaNet state slots")
+    p.add_argument("--checkpoint-interval", type=int, default=None,
+                   help="hybrid models: checkpoint long prefills every N tokens (default: at chunk boundaries)")
     p.add_argument("--api-key", action="append", default=None, help="KEY or KEY:TENANT; repeatable; enables auth")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before an unfinished request fails")
 
@@ -48,7 +52,8 @@ def _overrides(a: argparse.Namespace) -> dict:
     return dict(ex_served_model_name=a.served_model_name, ex_device=a.device, ex_page_size=a.page_size,
                 ex_max_total_tokens=a.max_total_tokens, ex_max_running_requests=a.max_running_requests,
                 ex_max_prefill_tokens=a.max_prefill_tokens, ex_max_model_len=a.max_model_len,
-                ex_disable_radix_cache=a.disable_radix_cache, gw_host=a.host, gw_port=a.port,
+                ex_disable_radix_cache=a.disable_radix_cache, ex_state_slots=a.state_slots,
+                ex_checkpoint_interval=a.checkpoint_interval, gw_host=a.host, gw_port=a.port,
                 gw_api_keys=tuple(a.api_key) if a.api_key else None, sc_request_timeout_s=a.request_timeout)
 
 
@@ -98,6 +103,38 @@ def cmd_schemas(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_memory(a: argparse.Namespace) -> int:
+    """From a config: what the cache would cost. Without one: what a running server allocated."""
+    import json
+    if a.config:
+        from radixflow.services.executor.memory import estimate
+        from radixflow.services.executor.models.spec import ModelSpec
+        path = os.path.join(a.config, "config.json") if os.path.isdir(a.config) else a.config
+        with open(path) as f:
+            spec = ModelSpec.from_config(json.load(f))
+        out = estimate(spec, a.kv_dtype or spec.torch_dtype, a.state_dtype, None, a.prefix_tokens, a.copies)
+    else:
+        import urllib.request
+        with urllib.request.urlopen(a.url.rstrip("/") + "/v1/memory", timeout=10) as r:
+            out = json.loads(r.read())
+    if a.json:
+        print(json.dumps(out, indent=2))
+    else:
+        for k, v in (out.items() if a.config else [("executors", out["executors"])]):
+            print(f"{k:36s} {_human(k, v)}")
+    return 0
+
+
+def _human(key: str, v) -> str:
+    if isinstance(v, int) and key.endswith("bytes") or key.endswith("_per_token") or key.endswith("sequence") \
+            or key.endswith("per_layer"):
+        units = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")]
+        for size, name in units:
+            if v >= size:
+                return f"{v} ({v / size:.2f} {name})"
+    return str(v)
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     import json
     from radixflow.services.bench.common import resolve_model
@@ -139,6 +176,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default="schemas")
     p.add_argument("--check", action="store_true")
     p.set_defaults(fn=cmd_schemas)
+    p = sub.add_parser("memory", help="KV and state memory: from a config.json (calculator) or a running server")
+    p.add_argument("config", nargs="?", help="a Hugging Face config.json or model directory")
+    p.add_argument("--prefix-tokens", type=int, default=0)
+    p.add_argument("--copies", type=int, default=1)
+    p.add_argument("--kv-dtype", default=None, help="default: the config's dtype")
+    p.add_argument("--state-dtype", default="float32")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="without a config: the server to ask")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_memory)
     p = sub.add_parser("bench", help="benchmarks, each beside its baseline in one run")
     p.add_argument("which", help="decode | latency | shared-prefix")
     p.add_argument("--model", default=None, help="a preset (tiny-dense, tiny-hybrid) or a model directory "

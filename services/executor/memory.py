@@ -1,5 +1,6 @@
 """Device memory of one executor: the paged KV pool of the attention layers and the state-slot pool
-of the DeltaNet layers. Plain tensors; who may use which page or slot is decided elsewhere.
+of the DeltaNet layers (plain tensors; who may use which page or slot is the radix service's call),
+and the accounting of what they cost (`estimate` from a config alone, `realized` for a pool).
 
     KV pool, per attention layer:   k[l], v[l]        [num_pages * page_size, Hkv, D]
         token slot = page * page_size + offset; a sequence's page table lists its pages in order.
@@ -66,3 +67,58 @@ class StatePool:
     def copy(self, src: int, dst: int) -> None:
         for t in self.recurrent + self.conv:
             t[dst].copy_(t[src])
+
+
+# ---------------------------------------------------------------- accounting
+
+_BYTES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
+          "float8_e4m3fn": 1, "fp8": 1}
+
+
+def dtype_bytes(dtype: str | torch.dtype) -> int:
+    if isinstance(dtype, torch.dtype):
+        return torch.tensor([], dtype=dtype).element_size()
+    name = str(dtype).replace("torch.", "")
+    if name not in _BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return _BYTES[name]
+
+
+def estimate(spec: ModelSpec, kv_dtype: str | torch.dtype, state_dtype: str | torch.dtype = "float32",
+             conv_dtype: str | torch.dtype | None = None, prefix_tokens: int = 0, copies: int = 1) -> dict:
+    """What a model's cache costs, from its config alone. KV: every full-attention layer stores K and V
+    per token. State (hybrid): every DeltaNet layer keeps a [Hv, Dk, Dv] recurrent state (fp32 by
+    default, as the reference implementation keeps it) and a short-conv state of kernel-1 inputs
+    (in the model's dtype), per sequence, whatever its length."""
+    kvb = dtype_bytes(kv_dtype)
+    sb = dtype_bytes(state_dtype)
+    cb = dtype_bytes(conv_dtype if conv_dtype is not None else kv_dtype)
+    n_attn, n_lin = len(spec.attn_layers), len(spec.linear_layers)
+    per_layer = 2 * spec.num_kv_heads * spec.head_dim * kvb
+    per_token = n_attn * per_layer
+    rec = n_lin * spec.lin_num_v_heads * spec.lin_k_dim * spec.lin_v_dim * sb
+    conv = n_lin * spec.conv_dim * max(spec.conv_kernel - 1, 0) * cb
+    return {
+        "model_type": spec.model_type, "layers": spec.num_layers, "attention_layers": n_attn,
+        "linear_attention_layers": n_lin, "kv_dtype": str(kv_dtype).replace("torch.", ""),
+        "state_dtype": str(state_dtype).replace("torch.", ""),
+        "conv_state_dtype": str(conv_dtype if conv_dtype is not None else kv_dtype).replace("torch.", ""),
+        "kv_bytes_per_token_per_layer": per_layer, "kv_bytes_per_token": per_token,
+        "recurrent_state_bytes_per_sequence": rec, "conv_state_bytes_per_sequence": conv,
+        "state_bytes_per_sequence": rec + conv,
+        "prefix_tokens": prefix_tokens, "prefix_kv_bytes": per_token * prefix_tokens,
+        "copies": copies, "copies_kv_bytes": per_token * prefix_tokens * copies,
+        "copies_state_bytes": (rec + conv) * copies,
+    }
+
+
+def realized(spec: ModelSpec, plan: MemoryPlan) -> dict:
+    """What an executor actually allocated."""
+    e = estimate(spec, plan.kv_dtype, plan.state_dtype, plan.state_dtype)
+    return {k: e[k] for k in ("model_type", "attention_layers", "linear_attention_layers", "kv_dtype", "state_dtype",
+                              "conv_state_dtype", "kv_bytes_per_token_per_layer", "kv_bytes_per_token",
+                              "recurrent_state_bytes_per_sequence", "conv_state_bytes_per_sequence",
+                              "state_bytes_per_sequence")} | {
+        "page_size": plan.page_size, "kv_pages": plan.num_pages, "kv_token_slots": plan.num_token_slots,
+        "kv_pool_bytes": plan.num_token_slots * e["kv_bytes_per_token"], "state_slots": plan.num_state_slots,
+        "state_pool_bytes": plan.num_state_slots * e["state_bytes_per_sequence"]}

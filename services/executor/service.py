@@ -23,10 +23,11 @@ from radixflow.shared import subjects
 from radixflow.shared.actor import Actor
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import ExecutorConfig, ServiceConfig
-from radixflow.shared.messages import (AbortRequest, ExecAccepted, ExecRequest, ExecutorInfo, Heartbeat, Sample,
-                                       SeqOutput, StepOutput)
+from radixflow.shared.messages import (AbortRequest, ExecAccepted, ExecRequest, ExecutorInfo, Heartbeat, MemoryReply,
+                                       Sample, SeqOutput, StatusRequest, StepOutput)
 
 from .engine import Engine, EngineConfig
+from .memory import realized
 from .pages import RemotePages
 
 
@@ -45,6 +46,7 @@ class ExecutorService(Actor):
         self.route(subjects.executor_submit(self.instance), ExecRequest, self.submit)
         self.route(subjects.executor_abort(self.instance), AbortRequest, self.abort)
         self.route(subjects.heartbeat("scheduler"), Heartbeat, self.on_scheduler_heartbeat)
+        self.route(subjects.MEMORY, StatusRequest, self.memory)
         self._owner: dict[str, str] = {}            # rid -> output subject (its scheduler)
         self._subject_seen: dict[str, float] = {}   # output subject -> last heartbeat of its scheduler
 
@@ -115,6 +117,10 @@ class ExecutorService(Actor):
                 await self._publish(outs)
             finally:
                 self._outbox.task_done()
+
+    async def memory(self, _: StatusRequest) -> MemoryReply:
+        r = self.engine.runner
+        return MemoryReply(instance=self.instance, model=self.model_name, report=realized(r.spec, r.plan))
 
     async def on_scheduler_heartbeat(self, hb: Heartbeat) -> None:
         self._subject_seen[subjects.scheduler_output(hb.instance)] = time.monotonic()

@@ -15,8 +15,8 @@ from aiohttp import web
 from radixflow.shared import log, subjects
 from radixflow.shared.bus import Bus
 from radixflow.shared.errors import BadRequest, NotFound, RadixflowError, ServiceUnavailable, Unauthorized
-from radixflow.shared.messages import (Accepted, GenerateRequest, MetricsReply, RadixFlush, RadixFlushed, StatusReply,
-                                       StatusRequest, StreamChunk)
+from radixflow.shared.messages import (Accepted, GenerateRequest, MemoryReply, MetricsReply, RadixFlush, RadixFlushed,
+                                       StatusReply, StatusRequest, StreamChunk)
 from radixflow.shared.validate import check_request
 
 from . import protocol as P
@@ -299,6 +299,21 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"X-Content-Type-Options": "nosniff"})
 
 
+async def memory(request: web.Request) -> web.Response:
+    """Realized memory of every executor (bytes per token, per state slot, dtypes, pool sizes) with
+    its pool's occupancy as the radix service sees it."""
+    _tenant(request)
+    bus = request.app[BUS]
+    reports = await bus.gather(subjects.MEMORY, StatusRequest(), MemoryReply, window_s=0.2)
+    try:
+        pools = (await bus.request(subjects.status("radix"), StatusRequest(), StatusReply, timeout=2)).detail.get("pools", {})
+    except RadixflowError:
+        pools = {}
+    return web.json_response({"executors": [
+        {"instance": r.instance, "model": r.model} | r.report | {"occupancy": pools.get(r.instance, {})}
+        for r in sorted(reports, key=lambda r: r.instance)]})
+
+
 def make_app(bus: Bus, client: EngineClient, config: Any) -> web.Application:
     app = web.Application(middlewares=[errors], client_max_size=64 * 1024 * 1024)
     app[BUS], app[CLIENT], app[CONFIG], app[DRAINING] = bus, client, config, asyncio.Event()
@@ -309,4 +324,5 @@ def make_app(bus: Bus, client: EngineClient, config: Any) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/memory", memory)
     return app

@@ -1,0 +1,56 @@
+"""The memory calculator reproduces the architecture notes' figures; the server reports what it
+allocated."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import aiohttp
+
+from radixflow.services.executor.memory import estimate
+from radixflow.services.executor.models.spec import ModelSpec
+
+QWEN35_27B = {"model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120, "intermediate_size": 17408,
+              "num_hidden_layers": 64, "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+              "full_attention_interval": 4, "linear_num_key_heads": 16, "linear_num_value_heads": 48,
+              "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+              "torch_dtype": "bfloat16", "max_position_embeddings": 262144}
+
+
+def test_reference_numbers():
+    e = estimate(ModelSpec.from_config(QWEN35_27B), "bfloat16", prefix_tokens=3000, copies=40)
+    assert e["kv_bytes_per_token"] == 64 * 1024                      # 16 x 2 x 4 x 256 x 2 B
+    assert e["prefix_kv_bytes"] == 187.5 * 2**20
+    assert round(e["copies_kv_bytes"] / 2**30, 2) == 7.32
+    assert e["recurrent_state_bytes_per_sequence"] == 144 * 2**20  # 48 x 48 x 128 x 128 x 4 B
+    assert e["state_bytes_per_sequence"] == 144 * 2**20 + 48 * (2 * 16 * 128 + 48 * 128) * 3 * 2
+
+
+def test_cli_calculator(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(QWEN35_27B))
+    out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "radixflow"), "memory", str(cfg),
+                          "--prefix-tokens", "3000", "--copies", "40", "--json"], capture_output=True, text=True)
+    got = json.loads(out.stdout)
+    assert got["kv_bytes_per_token"] == 65536 and got["prefix_kv_bytes"] == 196608000
+    assert got["copies_kv_bytes"] == 7864320000 and got["recurrent_state_bytes_per_sequence"] == 150994944
+
+
+async def test_server_reports_realized_memory(nats_server, models):
+    from radixflow.services.stack import Stack, stack_config
+    st = await Stack(stack_config(nats_server.url, models["tiny-hybrid"], gw_port=0, ex_state_slots=40)).start()
+    try:
+        base = f"http://127.0.0.1:{st.actors['gateway'].port}"
+        async with aiohttp.ClientSession() as s, s.get(base + "/v1/memory") as r:
+            body = await r.json()
+        ex = body["executors"][0]
+        # tiny-hybrid: one attention layer of 2 KV heads x 64 in fp32; three DeltaNet layers
+        assert ex["kv_bytes_per_token"] == 1 * 2 * 2 * 64 * 4 and ex["kv_dtype"] == "float32"
+        assert ex["recurrent_state_bytes_per_sequence"] == 3 * 4 * 64 * 64 * 4
+        assert ex["conv_state_bytes_per_sequence"] == 3 * (2 * 2 * 64 + 4 * 64) * 3 * 4
+        assert ex["state_slots"] == 40 and ex["state_pool_bytes"] == 40 * ex["state_bytes_per_sequence"]
+        assert ex["occupancy"]["state_slots_total"] == 40 and ex["occupancy"]["kv_pages_total"] == ex["kv_pages"]
+    finally:
+        await st.stop()
