@@ -47,9 +47,23 @@ async def _side(model: str, pre, sufs, out_tokens: int, cache: bool, first_alone
         done.set()
         await sampler
         page_size = stack.cfg.executor.page_size
+        pool = next(iter(radix.pools.values()))
+        stats = pool.stats()
+        preamble_states = [p for p in pool.tree.checkpoints_on("default", pre) if p <= len(pre)]
+        async with http.get(base + "/v1/memory") as r:
+            memory = (await r.json())["executors"][0]
     computed = sum(o["meta_info"]["prompt_tokens"] - o["meta_info"]["cached_tokens"] for o in outs)
-    return {"prefill_tokens_computed": computed, "peak_kv_pages": peak, "page_size": page_size,
-            "wall_s": round(t.s, 3), "outputs": [o["output_ids"] for o in outs]}
+    out = {"prefill_tokens_computed": computed, "peak_kv_pages": peak, "page_size": page_size,
+           "wall_s": round(t.s, 3), "outputs": [o["output_ids"] for o in outs]}
+    if pool.hybrid:
+        out |= {"state_slots_holding_the_preamble": len(preamble_states), "preamble_checkpoints_at": preamble_states,
+                **{k: stats[k] for k in ("state_checkpoints_total", "state_restores_total",
+                                         "state_recomputed_tokens_total", "state_slots_used", "state_slots_total")},
+                "memory": {k: memory[k] for k in ("kv_bytes_per_token", "kv_dtype", "state_bytes_per_sequence",
+                                                  "recurrent_state_bytes_per_sequence", "conv_state_bytes_per_sequence",
+                                                  "state_dtype", "kv_pages", "state_slots", "kv_pool_bytes",
+                                                  "state_pool_bytes")}}
+    return out
 
 
 def run_shared_prefix(model: str, preamble: int, suffix: int, n: int, out_tokens: int, first_alone: bool) -> dict:
@@ -68,4 +82,5 @@ def run_shared_prefix(model: str, preamble: int, suffix: int, n: int, out_tokens
             "prefill_token_ratio": round(token_ratio, 2), "peak_pages_ratio": round(off["peak_kv_pages"] / max(on["peak_kv_pages"], 1), 2),
             "wall_speedup": round(wall_ratio, 2), "wall_speedup_over_token_ratio": round(wall_ratio / token_ratio, 3),
             "greedy_outputs_identical": f"{same}/{n}",
-            "bound_prefill_tokens": preamble + n * suffix}
+            # a hybrid group may pay for its branching point once (the issues' bounds, before page rounding)
+            "bound_prefill_tokens": (2 if "state_slots_used" in on else 1) * preamble + n * suffix}

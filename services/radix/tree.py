@@ -213,6 +213,19 @@ class RadixTree:
             yield n
             stack.extend(n.children.values())
 
+    def checkpoints_on(self, namespace: str, tokens: list[int]) -> list[int]:
+        """Ends of the nodes carrying a state along the cached path of `tokens` (read-only)."""
+        node, i, out = self.root(namespace), 0, []
+        while i + self.page_size <= len(tokens):
+            child = node.children.get(self._first(tokens, i))
+            if child is None or self._common_pages(child.key, tokens, i) * self.page_size < len(child.key):
+                break
+            i += len(child.key)
+            node = child
+            if node.state is not None:
+                out.append(i)
+        return out
+
     def sequences(self, namespace: str) -> list[tuple[tuple[int, ...], list[int]]]:
         """Every root-to-leaf path as (tokens, pages): the tree's content, for tests and oracles."""
         out = []
