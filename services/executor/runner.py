@@ -74,7 +74,7 @@ class ModelRunner:
         self.kv = KVPool(self.spec, self.plan, self.device)
         self.state = StatePool(self.spec, self.plan, self.device) if self.spec.is_hybrid else None
 
-    def warmup(self, tokens: int = 256) -> None:
+    def warmup(self, tokens: int = 2048) -> None:
         """One prefill and a few decode steps on scratch pages before serving, so the first request
         does not pay first-call costs (allocator growth, kernel selection). The pages and the state
         slot are left dirty, which is harmless: a page is read only at positions a request wrote,
