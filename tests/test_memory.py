@@ -52,5 +52,10 @@ async def test_server_reports_realized_memory(nats_server, models):
         assert ex["conv_state_bytes_per_sequence"] == 3 * (2 * 2 * 64 + 4 * 64) * 3 * 4
         assert ex["state_slots"] == 40 and ex["state_pool_bytes"] == 40 * ex["state_bytes_per_sequence"]
         assert ex["occupancy"]["state_slots_total"] == 40 and ex["occupancy"]["kv_pages_total"] == ex["kv_pages"]
+        async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as r:
+            text = await r.text()
+        for name in ("state_slots_used", "state_slots_total", "state_checkpoints_total", "state_restores_total",
+                     "state_recomputed_tokens_total"):
+            assert f"radixflow_{name}{{" in text, name
     finally:
         await st.stop()
