@@ -82,6 +82,7 @@ class GenerateRequest(Msg):
     tenant: str = "default"
     cache_salt: str | None = None
     stream: bool = True               # False: one chunk at the end (no per-step detokenization)
+    constraint: Constraint | None = None
 
 
 class Accepted(Msg):
@@ -176,6 +177,7 @@ class ExecRequest(Msg):
     namespace: str = "default"        # cache namespace: tenant plus optional cache_salt
     output_subject: str = ""          # where the executor publishes StepOutput for this request
     checkpoint_at: list[int] = []     # hybrid: also keep the state at these prompt positions (fork points)
+    grammar_key: str | None = None    # structured output: fetch the compiled grammar by this key
 
 
 class ExecAccepted(Msg):
@@ -328,19 +330,26 @@ class MetricsReply(Msg):
     samples: list[Sample]
 
 
-# ---------------------------------------------------------------- grammar (contracts; behaviour in the grammar issue)
+# ---------------------------------------------------------------- grammar
+
+
+class Constraint(Msg):
+    """Structured output: what the output must match."""
+    kind: str                         # json_schema | json_object | regex | ebnf | choice
+    spec: str = ""                    # the schema (JSON text), regex, EBNF grammar, or JSON list of choices
 
 
 class GrammarCompile(Msg):
     kind: str                         # json_schema | json_object | regex | ebnf | choice
     spec: str
-    tokenizer: str                    # TokenizerInfo.identity
+    tokenizer: str = ""               # TokenizerInfo identity the caller expects ("" : the service's own)
 
 
 class GrammarCompiled(Msg):
-    key: str
-    compile_s: float = 0.0
+    key: str                          # canonical spec + tokenizer identity + xgrammar version, hashed
+    compile_s: float = 0.0            # seconds this request spent compiling (0 on a cache hit)
     cache_hit: bool = False
+    size: int = 0                     # bytes of the serialized compiled grammar
 
 
 class GrammarFetch(Msg):
@@ -349,7 +358,7 @@ class GrammarFetch(Msg):
 
 class GrammarBlob(Msg):
     key: str
-    data: bytes
+    data: bytes                       # zlib-compressed CompiledGrammar.serialize_json()
 
 
 ALL: tuple[type[Msg], ...] = tuple(
