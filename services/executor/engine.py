@@ -93,11 +93,15 @@ class Engine:
             raise BadRequest(f"request needs {n + req.sampling.max_new_tokens} tokens of KV; the pool holds "
                              f"{self.num_pages * self.page_size}", param="max_new_tokens")
 
-    def add(self, req: ExecRequest) -> None:
+    def add(self, req: ExecRequest, grammar=None) -> None:
+        """Queue a request; `grammar` (an xgrammar CompiledGrammar) constrains its output."""
         self.validate(req)
         seq = Sequence(rid=req.rid, tokens=list(req.input_ids), sampling=req.sampling,
                        eos_ids=frozenset(req.eos_token_ids), namespace=req.namespace,
                        output_subject=req.output_subject, checkpoint_at=list(req.checkpoint_at))
+        if grammar is not None:
+            import xgrammar as xgr
+            seq.matcher = xgr.GrammarMatcher(grammar)
         with self._lock:
             if req.rid in self._live or any(s.rid == req.rid for s in self._new):
                 raise BadRequest(f"request id {req.rid!r} is already running", param="rid")
@@ -214,7 +218,12 @@ class Engine:
             t = toks[i]
             seq.tokens.append(t)
             self.counters["generated_tokens_total"] += 1
-            if t in seq.stop_ids:
+            if seq.matcher is not None and not seq.matcher.accept_token(t):
+                outs.append(self._error(seq, 500, f"sampled token {t} is outside the grammar"))
+                continue
+            if seq.matcher is not None and seq.matcher.is_terminated():
+                seq.finish("stop", t)              # the grammar is complete (it ended on a stop token)
+            elif t in seq.stop_ids:
                 seq.finish("stop", t)
             elif seq.num_output >= seq.sampling.max_new_tokens or len(seq.tokens) >= self.max_model_len:
                 seq.finish("length")

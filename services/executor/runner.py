@@ -8,6 +8,7 @@ from . import sampler
 from .batcher import Plan
 from radixflow.kernels.attention import SharedPrefix
 
+from .constrain import Constrainer
 from .forward_batch import ForwardBatch
 from .memory import KVPool, MemoryPlan, StatePool
 from .models import CausalLM, ModelSpec, load_model
@@ -73,6 +74,7 @@ class ModelRunner:
                                kv_dtype=self.dtype, state_dtype=state_dtype)
         self.kv = KVPool(self.spec, self.plan, self.device)
         self.state = StatePool(self.spec, self.plan, self.device) if self.spec.is_hybrid else None
+        self.constrainer = Constrainer(self.spec.vocab_size, max_rows=64)
 
     def warmup(self, tokens: int = 2048) -> None:
         """One prefill and a few decode steps on scratch pages before serving, so the first request
@@ -167,5 +169,6 @@ class ModelRunner:
         for s in seqs:
             if s.generator is None and not sampler.is_greedy(s.sampling):
                 s.generator = sampler.make_generator(s.sampling.seed, self.device)
+        self.constrainer.mask(logits, [s.matcher for s in seqs])
         toks = sampler.sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
         return dict(zip(want, toks))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -49,6 +50,7 @@ class Sequence:
     tail_slot: int = -1          # decode keeps the state of the latest page boundary here ...
     tail_pos: int = 0            # ... which is this position (0: none yet)
     checkpoint_at: list[int] = field(default_factory=list)   # extra checkpoints asked for (fork points)
+    matcher: Any = None          # structured output: an xgrammar GrammarMatcher over the output
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.tokens)

@@ -27,6 +27,7 @@ from radixflow.shared.messages import (AbortRequest, ExecAccepted, ExecRequest, 
                                        Sample, SeqOutput, StatusRequest, StepOutput)
 
 from .engine import Engine, EngineConfig
+from .grammars import GrammarStore
 from .memory import realized
 from .pages import RemotePages
 
@@ -38,6 +39,7 @@ class ExecutorService(Actor):
         super().__init__(bus, service_config, instance=config.instance or None)
         self.cfg = config
         self.engine: Engine | None = None
+        self.grammars: GrammarStore | None = None
         self._wake = threading.Event()
         self._running = threading.Event()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="executor-compute")
@@ -64,6 +66,9 @@ class ExecutorService(Actor):
         loop = asyncio.get_running_loop()
         pages = RemotePages(self.bus, loop, self.instance)
         self.engine = await loop.run_in_executor(self._thread, Engine, ecfg, pages)
+        from radixflow.services.grammar.tokenizer_info import make_tokenizer_info
+        info = await loop.run_in_executor(None, make_tokenizer_info, cfg.model)
+        self.grammars = GrammarStore(self.bus, info)
         self._running.set()
         self.spawn("compute", self._compute_loop)
         self.spawn("publisher", self._publisher)
@@ -82,7 +87,8 @@ class ExecutorService(Actor):
         self._thread.shutdown(wait=False, cancel_futures=True)
 
     async def submit(self, req: ExecRequest) -> ExecAccepted:
-        self.engine.add(req)
+        grammar = await self.grammars.get(req.grammar_key) if req.grammar_key else None
+        self.engine.add(req, grammar)
         self._owner[req.rid] = req.output_subject
         self._subject_seen.setdefault(req.output_subject, time.monotonic())
         self._wake.set()

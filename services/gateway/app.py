@@ -122,7 +122,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise BadRequest("return_logprob is not supported", param="return_logprob")
     req = GenerateRequest(rid=body.rid or new_rid(), stream_subject="", text=body.text, input_ids=body.input_ids,
                           sampling=P.native_sampling(body.sampling_params), tenant=tenant, cache_salt=body.cache_salt,
-                          stream=body.stream)
+                          stream=body.stream, constraint=P.native_constraint(body.sampling_params))
     check_request(req)
     with log.bind_request(req.rid):
         return await _generate(request, req, body)
@@ -183,7 +183,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = GenerateRequest(rid=new_rid(), stream_subject="", tenant=tenant, cache_salt=body.cache_salt,
                           text=prompt if isinstance(prompt, str) else None,
                           input_ids=prompt if isinstance(prompt, list) else None,
-                          sampling=P.openai_sampling(body, body.max_tokens, 16), stream=body.stream)
+                          sampling=P.openai_sampling(body, body.max_tokens, 16), stream=body.stream,
+                          constraint=P.openai_constraint(body))
     check_request(req)
     with log.bind_request(req.rid):
         return await _openai(request, req, body, chat=False)
@@ -197,7 +198,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     req = GenerateRequest(rid=new_rid(), stream_subject="", tenant=tenant, cache_salt=body.cache_salt,
                           messages=P.chat_messages(body), sampling=P.openai_sampling(body, max_tokens, 1024),
-                          stream=body.stream)
+                          stream=body.stream, constraint=P.openai_constraint(body))
     check_request(req)
     with log.bind_request(req.rid):
         return await _openai(request, req, body, chat=True)

@@ -2,12 +2,13 @@
 translation into the bus's GenerateRequest. A wrong type or an unknown field is a 400 naming it."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
 
 from radixflow.shared.errors import BadRequest
-from radixflow.shared.messages import ChatMessage, SamplingParams
+from radixflow.shared.messages import ChatMessage, Constraint, SamplingParams
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -31,6 +32,11 @@ class NativeSampling(_Body, kw_only=True):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # structured output (SGLang's names; `choice` as in vLLM's guided_choice)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    choice: list[str] | None = None
 
 
 class GenerateBody(_Body, kw_only=True):
@@ -46,6 +52,18 @@ class GenerateBody(_Body, kw_only=True):
 class StreamOptions(_Body, kw_only=True):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(_Body, kw_only=True):
+    name: str = ""
+    description: str | None = None
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body, kw_only=True):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _OpenAIBase(_Body, kw_only=True):
@@ -69,6 +87,12 @@ class _OpenAIBase(_Body, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    # structured output: OpenAI's response_format, and vLLM's guided_* extensions
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class CompletionBody(_OpenAIBase, kw_only=True):
@@ -135,6 +159,50 @@ def openai_sampling(b: _OpenAIBase, max_tokens: int | None, default_max: int) ->
                           top_p=b.top_p, top_k=b.top_k, min_p=b.min_p, seed=b.seed, stop=_stops(b.stop),
                           stop_token_ids=b.stop_token_ids or [], ignore_eos=b.ignore_eos,
                           skip_special_tokens=b.skip_special_tokens)
+
+
+def _one(found: list[Constraint], param: str) -> Constraint | None:
+    if len(found) > 1:
+        raise BadRequest("give at most one structured-output constraint", param=param)
+    return found[0] if found else None
+
+
+def native_constraint(s: NativeSampling) -> Constraint | None:
+    found = []
+    if s.json_schema is not None:
+        found.append(Constraint(kind="json_schema", spec=s.json_schema))
+    if s.regex is not None:
+        found.append(Constraint(kind="regex", spec=s.regex))
+    if s.ebnf is not None:
+        found.append(Constraint(kind="ebnf", spec=s.ebnf))
+    if s.choice is not None:
+        found.append(Constraint(kind="choice", spec=json.dumps(s.choice)))
+    return _one(found, "sampling_params")
+
+
+def openai_constraint(b: _OpenAIBase) -> Constraint | None:
+    found = []
+    rf = b.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            found.append(Constraint(kind="json_object"))
+        elif rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise BadRequest("response_format json_schema needs json_schema.schema", param="response_format")
+            found.append(Constraint(kind="json_schema", spec=json.dumps(rf.json_schema.schema_)))
+        else:
+            raise BadRequest(f"response_format type {rf.type!r} is not one of text, json_object, json_schema",
+                             param="response_format")
+    if b.guided_json is not None:
+        spec = b.guided_json if isinstance(b.guided_json, str) else json.dumps(b.guided_json)
+        found.append(Constraint(kind="json_schema", spec=spec))
+    if b.guided_regex is not None:
+        found.append(Constraint(kind="regex", spec=b.guided_regex))
+    if b.guided_grammar is not None:
+        found.append(Constraint(kind="ebnf", spec=b.guided_grammar))
+    if b.guided_choice is not None:
+        found.append(Constraint(kind="choice", spec=json.dumps(b.guided_choice)))
+    return _one(found, "response_format")
 
 
 def completion_checks(b: CompletionBody) -> None:

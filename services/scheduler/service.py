@@ -21,11 +21,13 @@ from radixflow.shared.config import SchedulerConfig, ServiceConfig
 from radixflow.shared.errors import BadRequest, Overloaded, RadixflowError, ServiceUnavailable
 from radixflow.shared.messages import (AbortRequest, Accepted, DetokenizeReply, DetokenizeRequest, DetokItem,
                                        EncodeReply, EncodeRequest, ExecAccepted, ExecRequest, ExecutorInfo,
+                                       GrammarCompile, GrammarCompiled,
                                        GenerateRequest, Heartbeat, RadixPlace, RadixPlaceReply, StatusReply,
                                        StatusRequest, StepOutput,
                                        StreamChunk, StreamError, TokenizerInfo, Usage)
 from radixflow.shared.validate import check_request
 
+from .structured import OutputCheck, check_constraint
 from .table import RequestTable, Tracked
 
 
@@ -121,6 +123,12 @@ class SchedulerService(Actor):
             ids = enc.input_ids
             if not ids:
                 raise BadRequest("the prompt tokenizes to nothing", param="text")
+        grammar_key, check = None, None
+        if req.constraint is not None:
+            check_constraint(req.constraint)
+            compiled = await self.bus.request(subjects.GRAMMAR_COMPILE, GrammarCompile(
+                kind=req.constraint.kind, spec=req.constraint.spec), GrammarCompiled, timeout=60)
+            grammar_key, check = compiled.key, OutputCheck(req.constraint)
         namespace = req.tenant + (f"/{req.cache_salt}" if req.cache_salt else "")
         ex = await self.place(live, namespace, ids)
         limit = ex.info.max_model_len
@@ -130,13 +138,15 @@ class SchedulerService(Actor):
         if max(ids) >= ex.info.vocab_size:
             raise BadRequest(f"input_ids must be < vocab size {ex.info.vocab_size}", param="input_ids")
         t = Tracked(rid=req.rid, stream_subject=req.stream_subject, executor=ex.instance, prompt_tokens=len(ids),
-                    sampling=req.sampling, deadline=time.monotonic() + self.cfg.request_timeout_s, stream=req.stream)
+                    sampling=req.sampling, deadline=time.monotonic() + self.cfg.request_timeout_s, stream=req.stream,
+                    check=check)
         self.table.add(t)    # before dispatch: an output may arrive before the executor's reply does
         ex.inflight += 1
         try:
             await self.bus.request(subjects.executor_submit(ex.instance), ExecRequest(
                 rid=req.rid, input_ids=ids, sampling=req.sampling, eos_token_ids=await self._eos_ids(),
-                namespace=namespace, output_subject=self.output_subject), ExecAccepted, timeout=10)
+                namespace=namespace, output_subject=self.output_subject, grammar_key=grammar_key),
+                ExecAccepted, timeout=40)
         except RadixflowError:
             self.table.finish(req.rid)     # not accepted: the client gets the error as the reply instead
             ex.inflight -= 1
@@ -178,6 +188,15 @@ class SchedulerService(Actor):
         for (t, o), d in zip(live, reply.items):
             t.prefix_offset, t.read_offset = d.prefix_offset, d.read_offset
             text, hit = t.stops.feed(d.text, final=o.finished)
+            if t.check is not None:
+                t.text += text
+                bad = t.check.error(t.text, "stop" if hit is not None else o.finish_reason) \
+                    if (o.finished or hit is not None) and not o.error else None
+                if bad is not None:
+                    await self._fail(t, 400 if o.finish_reason == "length" else 500,
+                                     "invalid_request_error" if o.finish_reason == "length" else "invalid_output", bad,
+                                     abort=not o.finished)
+                    continue
             if o.error:
                 await self._fail(t, o.error_code, "service_unavailable" if o.error_code == 503 else "internal_error",
                                  o.error)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from radixflow.shared.messages import SamplingParams
 
 from .stops import StopMatcher
+from .structured import OutputCheck
 
 
 @dataclass(eq=False)
@@ -25,6 +26,8 @@ class Tracked:
     stopping: bool = False        # a stop string matched; the terminal chunk has been sent
     stream: bool = True
     sent: int = 0                 # output ids already sent in chunks
+    check: "OutputCheck | None" = None   # structured output: validated once the text is complete
+    text: str = ""                # the released text so far (kept only when `check` needs it)
 
     def __post_init__(self) -> None:
         self.stops = StopMatcher(self.sampling.stop)

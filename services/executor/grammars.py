@@ -1,0 +1,47 @@
+"""GrammarStore: the executor's local cache of compiled grammars, fetched by key from the grammar
+service once and deserialized against this executor's own tokenizer info, so a hot schema costs
+neither a compile nor a transfer per request."""
+from __future__ import annotations
+
+import asyncio
+import zlib
+from collections import OrderedDict
+
+import xgrammar as xgr
+
+from radixflow.shared import subjects
+from radixflow.shared.bus import Bus
+from radixflow.shared.messages import GrammarBlob, GrammarFetch
+
+
+class GrammarStore:
+    def __init__(self, bus: Bus, tokenizer_info: "xgr.TokenizerInfo", capacity: int = 256):
+        self.bus = bus
+        self.info = tokenizer_info
+        self.capacity = capacity
+        self._cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
+        self._inflight: dict[str, asyncio.Future] = {}
+        self.fetches = 0
+        self.hits = 0
+
+    async def get(self, key: str) -> "xgr.CompiledGrammar":
+        g = self._cache.get(key)
+        if g is not None:
+            self._cache.move_to_end(key)
+            self.hits += 1
+            return g
+        fut = self._inflight.get(key)
+        if fut is None:               # one fetch per key, however many requests wait for it
+            fut = self._inflight[key] = asyncio.ensure_future(self._fetch(key))
+            fut.add_done_callback(lambda _: self._inflight.pop(key, None))
+        return await asyncio.shield(fut)
+
+    async def _fetch(self, key: str) -> "xgr.CompiledGrammar":
+        blob = await self.bus.request(subjects.GRAMMAR_FETCH, GrammarFetch(key=key), GrammarBlob, timeout=30)
+        self.fetches += 1
+        text = zlib.decompress(blob.data).decode()
+        g = await asyncio.get_running_loop().run_in_executor(None, xgr.CompiledGrammar.deserialize_json, text, self.info)
+        self._cache[key] = g
+        while len(self._cache) > self.capacity:
+            self._cache.popitem(last=False)
+        return g
