@@ -5,7 +5,7 @@
     radixflow make-model PRESET DIR                                  a tiny HF checkpoint (tiny-dense, tiny-hybrid)
     radixflow schemas [--check]                                      write (or check) schemas/*.json
     radixflow memory [CONFIG] [--prefix-tokens N --copies C --json]  cache memory: calculator, or a server's
-    radixflow bench decode|latency|shared-prefix [--model ...]       benchmarks beside their baselines
+    radixflow bench decode|latency|shared-prefix|structured          benchmarks beside their baselines
 """
 from __future__ import annotations
 
@@ -145,6 +145,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
     elif a.which == "latency":
         from radixflow.services.bench.decode import run_latency
         out = run_latency(model, a.prompt_len, a.repeats)
+    elif a.which == "structured":
+        from radixflow.services.bench.structured import run_structured
+        out = run_structured(model, batch=16)
     elif a.which == "shared-prefix":
         from radixflow.services.bench.shared_prefix import run_shared_prefix
         out = run_shared_prefix(model, a.preamble, a.suffix, a.requests, a.output_tokens, a.first_alone)
@@ -186,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_memory)
     p = sub.add_parser("bench", help="benchmarks, each beside its baseline in one run")
-    p.add_argument("which", help="decode | latency | shared-prefix")
+    p.add_argument("which", help="decode | latency | shared-prefix | structured")
     p.add_argument("--model", default=None, help="a preset (tiny-dense, tiny-hybrid) or a model directory "
                                                  "(default: tiny-dense for shared-prefix, else tiny-hybrid)")
     p.add_argument("--preamble", type=int, default=3000, help="shared-prefix: preamble tokens")
