@@ -32,7 +32,7 @@ def build(name: str, bus: Bus, cfg: StackConfig) -> Actor:
         return TokenizerService(bus, cfg.executor.model, cfg.service)
     if name == "grammar":
         from .grammar.service import GrammarService
-        return GrammarService(bus, cfg.service)
+        return GrammarService(bus, cfg.executor.model, cfg.service)
     if name == "radix":
         from .radix.service import RadixService
         return RadixService(bus, cfg.service)
