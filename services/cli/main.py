@@ -64,7 +64,8 @@ def cmd_up(a: argparse.Namespace) -> int:
     server = None
     url = a.nats_url
     if not url:
-        server = NatsServer().start()
+        # compiled grammars travel as one message each: room for large vocabularies' blobs
+        server = NatsServer(max_payload=8 * 1024 * 1024).start()
         url = server.url
         print(f"embedded nats-server on {url}", file=sys.stderr)
     try:
