@@ -37,8 +37,6 @@ class KVPool:
         self.v = [torch.zeros(shape, dtype=plan.kv_dtype, device=device) for _ in range(n)]
         self.page_size = plan.page_size
         self.num_pages = plan.num_pages
-        elem = torch.tensor([], dtype=plan.kv_dtype).element_size()
-        self.bytes_per_token = 2 * n * spec.num_kv_heads * spec.head_dim * elem
 
     def token_slots(self, pages: list[int], length: int) -> torch.Tensor:
         """Slots of the first `length` tokens of a sequence whose page table is `pages`."""
@@ -55,9 +53,6 @@ class StatePool:
         self.recurrent = [torch.zeros(rec, dtype=plan.state_dtype, device=device) for _ in range(n)]
         self.conv = [torch.zeros(conv, dtype=plan.state_dtype, device=device) for _ in range(n)]
         self.num_slots = plan.num_state_slots
-        elem = torch.tensor([], dtype=plan.state_dtype).element_size()
-        self.recurrent_bytes_per_slot = n * spec.lin_num_v_heads * spec.lin_k_dim * spec.lin_v_dim * elem
-        self.conv_bytes_per_slot = n * spec.conv_dim * max(spec.conv_kernel - 1, 0) * elem
 
     def reset(self, slot: int) -> None:
         """A fresh sequence starts from the zero state."""
