@@ -19,6 +19,9 @@ from radixflow.shared.messages import Candidate, Grant, Progress, RadixStep, Rel
 from .sequence import Sequence, Status
 
 
+MAX_CANDIDATE_TOKENS = 120_000   # about 360 KB of msgpack: far below the 1 MiB NATS default
+
+
 @dataclass
 class Plan:
     is_decode: bool
@@ -52,8 +55,14 @@ class Batcher:
         cands = []
         slots = self.max_running - len(self.running)
         if self._retry and slots > 0:
-            cands = [Candidate(rid=s.rid, namespace=s.namespace, token_ids=s.tokens, reserve=s.sampling.max_new_tokens,
-                               checkpoint_at=s.checkpoint_at) for s in list(self.waiting)[: self.max_candidates]]
+            # the message carries every candidate's prompt: cap it well under NATS's max_payload
+            tokens = 0
+            for s in self.waiting:
+                if len(cands) >= self.max_candidates or (cands and tokens + len(s.tokens) > MAX_CANDIDATE_TOKENS):
+                    break
+                tokens += len(s.tokens)
+                cands.append(Candidate(rid=s.rid, namespace=s.namespace, token_ids=s.tokens,
+                                       reserve=s.sampling.max_new_tokens, checkpoint_at=s.checkpoint_at))
         if not (cands or self.progress or self.releases):
             return None
         busy = sum(s.prompt_len - s.computed_len for s in self.running if s.computed_len < s.prompt_len)
