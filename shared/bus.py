@@ -23,7 +23,7 @@ from nats.aio.subscription import Subscription
 from . import log, messages, subjects
 from .config import BusConfig
 from .errors import PayloadTooLarge, RadixflowError, RequestTimeout, ServiceUnavailable, StreamGap, from_reply
-from .messages import ErrorReply, Msg, StreamChunk, StreamError
+from .messages import ErrorReply, Msg, ProgramEvent, StreamChunk, StreamError
 
 T = TypeVar("T")
 _log = log.get("bus")
@@ -160,7 +160,7 @@ class Bus:
 
 
 class InboxStream:
-    """The receiving end of a streamed reply (StreamChunk* then a terminal item).
+    """The receiving end of a streamed reply (StreamChunk* or ProgramEvent*, then a terminal item).
 
         async with bus.open_stream() as stream:
             await bus.request(SUBMIT, GenerateRequest(stream_subject=stream.subject, ...), Accepted)
@@ -200,7 +200,7 @@ class InboxStream:
     def __aiter__(self) -> "InboxStream":
         return self
 
-    async def __anext__(self) -> StreamChunk | StreamError:
+    async def __anext__(self) -> StreamChunk | StreamError | ProgramEvent:
         if self._done:
             raise StopAsyncIteration
         try:
@@ -211,7 +211,7 @@ class InboxStream:
         if isinstance(item, BaseException):
             self._done = True
             raise item
-        out = messages.decode(item, StreamChunk | StreamError)
+        out = messages.decode(item, StreamChunk | StreamError | ProgramEvent)
         if out.seq != self._next_seq:
             self._done = True
             raise StreamGap(f"stream {self.subject}: expected item {self._next_seq}, got {out.seq}")

@@ -51,6 +51,8 @@ class SchedulerConfig:
     executor_timeout_s: float = 3.5   # no heartbeat for this long (3 missed beats): the executor is dead
     max_queued_requests: int = 4096   # accepted but unfinished; beyond it a request gets 429
     request_timeout_s: float = 900.0  # an accepted request ends by then, whatever happens
+    max_program_nodes: int = 1024     # programs: more nodes is a 400
+    max_program_tokens: int = 2_000_000   # programs: own text plus generation budget of every node
 
 
 @dataclass(frozen=True)

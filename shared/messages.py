@@ -94,6 +94,7 @@ class Accepted(Msg):
 
 class AbortRequest(Msg):
     rids: list[str]
+    discard: bool = False             # programs: a cancelled branch; its pages become the first to evict
 
 
 class Usage(Msg):
@@ -112,6 +113,7 @@ class StreamChunk(Msg):
     finish_reason: str | None = None  # stop | length | abort
     matched_stop: int | str | None = None
     usage: Usage | None = None        # set on the last chunk
+    input_logprobs: list[float] = []  # last chunk: logprobs of the prompt tokens from ExecRequest.logprob_start
 
 
 class StreamError(Msg):
@@ -127,13 +129,16 @@ class StreamError(Msg):
 
 
 class EncodeRequest(Msg):
+    """Exactly one of text / messages / texts (a batch of plain texts, answered in `batch`)."""
     text: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    texts: list[str] | None = None
 
 
 class EncodeReply(Msg):
-    input_ids: list[int]
+    input_ids: list[int] = []
+    batch: list[list[int]] = []
 
 
 class DetokItem(Msg):
@@ -178,6 +183,10 @@ class ExecRequest(Msg):
     output_subject: str = ""          # where the executor publishes StepOutput for this request
     checkpoint_at: list[int] = []     # hybrid: also keep the state at these prompt positions (fork points)
     grammar_key: str | None = None    # structured output: fetch the compiled grammar by this key
+    priority: int = 0                 # admission order among waiting requests (speculative branches: -1)
+    pin: str = ""                     # programs: at release, keep the cached prefix locked under this key
+    pin_ttl_s: float = 0.0            # ... at most this long (the program's deadline)
+    logprob_start: int = -1           # >= 0: return the logprobs of prompt tokens from this position on
 
 
 class ExecAccepted(Msg):
@@ -194,6 +203,7 @@ class SeqOutput(Msg):
     cached_tokens: int = 0
     error: str | None = None
     error_code: int = 500
+    input_logprobs: list[float] = []  # on the finished output, when ExecRequest.logprob_start >= 0
 
 
 class StepOutput(Msg):
@@ -210,6 +220,7 @@ class ExecutorInfo(Msg):
     vocab_size: int
     running: int
     waiting: int
+    page_size: int = 16
 
 
 # ---------------------------------------------------------------- radix
@@ -237,6 +248,8 @@ class Candidate(Msg):
     token_ids: list[int]
     reserve: int                      # tokens beyond the prompt to reserve pages for (max_new_tokens)
     checkpoint_at: list[int] = []     # hybrid: extra checkpoints asked for (the programs' fork points)
+    priority: int = 0                 # higher first; among equals, longest cached prefix first
+    max_cached: int = -1              # >= 0: reuse at most this many tokens (prompt logprobs need the rest)
 
 
 class Progress(Msg):
@@ -252,6 +265,9 @@ class Release(Msg):
     output_ids: list[int] = []
     computed: int = 0
     tail: int = 0                     # hybrid: position whose state the tail slot holds (0: none)
+    pin: str = ""                     # keep the inserted prefix locked under this key (RadixUnpin frees it)
+    pin_ttl_s: float = 0.0            # ... for at most this long
+    discard: bool = False             # cancelled: cache nothing more; what it inserted is evicted first
 
 
 class RadixStep(Msg):
@@ -308,6 +324,21 @@ class RadixPlaceReply(Msg):
     cached_tokens: dict[str, int]     # pool -> tokens it would reuse
 
 
+class RadixUnpin(Msg):
+    """Programs: the children of a pinned prefix have all been admitted (or the program ended)."""
+    pool: str
+    keys: list[str]
+
+
+class RadixDemote(Msg):
+    """Programs: a lost select choice or a discarded branch. The cached pages of `token_ids` past
+    its first `keep` tokens (and not shared with another path) become the first to evict."""
+    pool: str
+    namespace: str
+    token_ids: list[int]
+    keep: int = 0
+
+
 # ---------------------------------------------------------------- metrics
 
 
@@ -359,6 +390,113 @@ class GrammarFetch(Msg):
 class GrammarBlob(Msg):
     key: str
     data: bytes                       # zlib-compressed CompiledGrammar.serialize_json()
+
+
+# ---------------------------------------------------------------- programs
+#
+# A program is a DAG of nodes. A node's prompt is its parent's full text (prompt and output) followed
+# by its own text; `after` makes it wait for other nodes, whose outputs its text may name as {id}.
+# These structs are both the HTTP body of POST /v1/programs (decoded strictly) and the bus message.
+
+
+class NodeGen(Msg, forbid_unknown_fields=True):
+    """Generate after the node's text: sampling parameters and at most one output constraint."""
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    json_schema: dict[str, Any] | str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    choices: list[str] | None = None  # constrained generation among these strings (compare `select`)
+
+
+class NodeSelect(Msg, forbid_unknown_fields=True):
+    """Pick one of `choices` by the model's likelihood (mean token logprob after the node's text),
+    computed from prompt logprobs in one batched prefill, not by generating. A choice may name
+    another node's output as {id} (that node must be in `after`)."""
+    choices: list[str]
+
+
+class ProgramNode(Msg, forbid_unknown_fields=True):
+    id: str
+    text: str = ""
+    input_ids: list[int] | None = None   # token ids to append instead of text
+    parent: str | None = None
+    after: list[str] = []
+    gen: NodeGen | None = None
+    select: NodeSelect | None = None
+    speculative: bool = False
+
+
+class ProgramRequest(Msg):
+    """rf.scheduler.program: run a program; ProgramEvents arrive on `stream_subject`."""
+    id: str
+    stream_subject: str
+    nodes: list[ProgramNode]
+    tenant: str = "default"
+    cache_salt: str | None = None
+    stream: bool = False              # also send each node's text deltas as it generates
+    timeout_s: float = 0.0            # the program's one deadline (0: the scheduler's request timeout)
+
+
+class ProgramAccepted(Msg):
+    id: str
+    scheduler: str                    # the scheduler instance that runs the program
+    nodes: int
+
+
+class NodeResult(Msg):
+    id: str
+    state: str                        # pending | running | done | failed | cancelled
+    parent: str | None = None
+    after: list[str] = []
+    kind: str = "gen"                 # gen | select | prefill
+    speculative: bool = False
+    text: str = ""                    # the node's own text, {id} references substituted
+    output: str = ""                  # generated text, or the selected choice
+    output_ids: list[int] = []
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    scores: list[float] = []          # select: each choice's mean token logprob
+    discarded: bool = False           # a speculative branch that lost a select
+    error: str | None = None
+    error_code: int = 0
+    executor: str = ""
+
+
+class ProgramEvent(Msg):
+    """One item of a program's stream. kind: started | delta | finished (a node ended, in any
+    state; `result` holds it) | done (the program's terminal event, `finished` is true)."""
+    program: str
+    seq: int
+    kind: str
+    node: str = ""
+    text: str = ""                    # delta: new output text of `node`
+    result: NodeResult | None = None
+    finished: bool = False
+    status: str = ""                  # done: finished | cancelled | timeout
+
+
+class ProgramQuery(Msg):
+    """GET (get) or cancel a program, or one node and its dependents (`node`)."""
+    id: str
+    tenant: str = "default"
+    node: str | None = None
+
+
+class ProgramInfo(Msg):
+    id: str
+    state: str                        # running | finished | cancelled | timeout
+    nodes: list[NodeResult] = []
 
 
 ALL: tuple[type[Msg], ...] = tuple(

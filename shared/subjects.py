@@ -2,6 +2,11 @@
 
     rf.scheduler.submit            request/reply  GenerateRequest -> Accepted | ErrorReply
     rf.scheduler.abort             publish        AbortRequest
+    rf.scheduler.program           request/reply  ProgramRequest -> ProgramAccepted | ErrorReply
+    <stream_subject>               stream         ProgramEvent* then a terminal ProgramEvent(finished) | StreamError
+    rf.scheduler.program.get       request/reply  ProgramQuery -> ProgramInfo (every scheduler; the owner answers)
+    rf.scheduler.program.cancel    request/reply  ProgramQuery -> ProgramInfo (a program, or a node and its dependents)
+    rf.scheduler.<id>.program.get|cancel          the same, addressed to the owner (ProgramAccepted.scheduler)
     <stream_subject>               stream         StreamChunk* then a terminal StreamChunk(finished) | StreamError
     rf.tokenizer.encode            req/reply, queue group "tokenizer"   EncodeRequest -> EncodeReply
     rf.tokenizer.detokenize        req/reply, queue group "tokenizer"   DetokenizeRequest -> DetokenizeReply
@@ -12,6 +17,8 @@
     rf.radix.pool.<id>.step        req/reply      RadixStep -> RadixStepReply (one per executor step)
     rf.radix.place                 req/reply      RadixPlace -> RadixPlaceReply (cache-aware placement)
     rf.radix.flush                 req/reply      RadixFlush -> RadixFlushed
+    rf.radix.unpin                 publish        RadixUnpin (programs: a pinned fork point is no longer needed)
+    rf.radix.demote                publish        RadixDemote (programs: a lost branch is evicted first)
     rf.metrics                     scatter/gather StatusRequest -> MetricsReply from every instance
     rf.memory                      scatter/gather StatusRequest -> MemoryReply from every executor
     rf.executor.<id>.submit        req/reply      ExecRequest -> ExecAccepted | ErrorReply
@@ -26,6 +33,9 @@ SERVICES = ("gateway", "tokenizer", "grammar", "radix", "scheduler", "executor")
 
 SCHEDULER_SUBMIT = "rf.scheduler.submit"
 SCHEDULER_ABORT = "rf.scheduler.abort"
+SCHEDULER_PROGRAM = "rf.scheduler.program"
+PROGRAM_GET = "rf.scheduler.program.get"
+PROGRAM_CANCEL = "rf.scheduler.program.cancel"
 TOKENIZER_ENCODE = "rf.tokenizer.encode"
 TOKENIZER_DETOKENIZE = "rf.tokenizer.detokenize"
 TOKENIZER_INFO = "rf.tokenizer.info"
@@ -34,6 +44,8 @@ GRAMMAR_FETCH = "rf.grammar.fetch"
 RADIX_REGISTER = "rf.radix.register"
 RADIX_PLACE = "rf.radix.place"
 RADIX_FLUSH = "rf.radix.flush"
+RADIX_UNPIN = "rf.radix.unpin"
+RADIX_DEMOTE = "rf.radix.demote"
 METRICS = "rf.metrics"
 MEMORY = "rf.memory"
 
@@ -60,6 +72,11 @@ def executor_abort(instance: str) -> str:
 
 def scheduler_output(instance: str) -> str:
     return f"rf.scheduler.{instance}.output"
+
+
+def program_op(instance: str, op: str) -> str:
+    """The owning scheduler's program subjects: op is get | cancel."""
+    return f"rf.scheduler.{instance}.program.{op}"
 
 
 def stream_inbox(token: str) -> str:

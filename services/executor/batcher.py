@@ -62,7 +62,9 @@ class Batcher:
                     break
                 tokens += len(s.tokens)
                 cands.append(Candidate(rid=s.rid, namespace=s.namespace, token_ids=s.tokens,
-                                       reserve=s.sampling.max_new_tokens, checkpoint_at=s.checkpoint_at))
+                                       reserve=s.sampling.max_new_tokens, checkpoint_at=s.checkpoint_at,
+                                       priority=s.priority,
+                                       max_cached=max(s.logprob_start - 1, 0) if s.logprob_start >= 0 else -1))
         if not (cands or self.progress or self.releases):
             return None
         busy = sum(s.prompt_len - s.computed_len for s in self.running if s.computed_len < s.prompt_len)
@@ -110,8 +112,9 @@ class Batcher:
         """Take a finished or aborted sequence out; its pages go back through the next release."""
         if seq in self.running:
             self.running.remove(seq)
+            pin = seq.pin if seq.finish_reason in ("stop", "length") else ""
             self.releases.append(Release(rid=seq.rid, output_ids=seq.output_ids, computed=seq.computed_len,
-                                         tail=seq.tail_pos))
+                                         tail=seq.tail_pos, pin=pin, pin_ttl_s=seq.pin_ttl_s, discard=seq.discard))
             self._retry = True
         elif seq in self.waiting:
             self.waiting.remove(seq)

@@ -71,6 +71,7 @@ class Engine:
         self._lock = threading.Lock()
         self._new: list[Sequence] = []
         self._aborts: set[str] = set()
+        self._discards: set[str] = set()
         self._live: dict[str, Sequence] = {}
         self._last_arrival = 0.0
         self.steps = 0
@@ -98,7 +99,8 @@ class Engine:
         self.validate(req)
         seq = Sequence(rid=req.rid, tokens=list(req.input_ids), sampling=req.sampling,
                        eos_ids=frozenset(req.eos_token_ids), namespace=req.namespace,
-                       output_subject=req.output_subject, checkpoint_at=list(req.checkpoint_at))
+                       output_subject=req.output_subject, checkpoint_at=list(req.checkpoint_at),
+                       priority=req.priority, pin=req.pin, pin_ttl_s=req.pin_ttl_s, logprob_start=req.logprob_start)
         if grammar is not None:
             import xgrammar as xgr
             seq.matcher = xgr.GrammarMatcher(grammar)
@@ -108,9 +110,12 @@ class Engine:
             self._new.append(seq)
             self._last_arrival = time.monotonic()
 
-    def abort(self, rids: list[str]) -> None:
+    def abort(self, rids: list[str], discard: bool = False) -> None:
+        """Stop requests; with discard (a cancelled program branch) nothing more of them is cached."""
         with self._lock:
             self._aborts.update(rids)
+            if discard:
+                self._discards.update(rids)
 
     def has_work(self) -> bool:
         with self._lock:
@@ -161,6 +166,7 @@ class Engine:
         with self._lock:
             new, self._new = self._new, []
             aborts, self._aborts = self._aborts, set()
+            discards, self._discards = self._discards, set()
             for s in new:
                 self._live[s.rid] = s
         for s in new:
@@ -169,6 +175,7 @@ class Engine:
         for rid in aborts:
             seq = self._live.get(rid)
             if seq is not None:
+                seq.discard = rid in discards
                 seq.finish("abort")
                 outs.append(self._finish(seq, seq.output_ids[seq.reported:]))
         return outs
@@ -213,6 +220,10 @@ class Engine:
                 self.counters["prefill_tokens_computed_total"] += ext
                 if self.cache and seq.computed_len <= seq.prompt_len:
                     self.batcher.progress.append(Progress(rid=seq.rid, computed=seq.computed_len))
+                if seq.prefill_only and seq.computed_len == seq.prompt_len:
+                    seq.finish("length")
+                    outs.append(self._finish(seq, []))
+                    continue
             if i not in toks:
                 continue
             t = toks[i]
@@ -245,6 +256,7 @@ class Engine:
             self._live.pop(seq.rid, None)
         subject, out = self._output(seq, new)
         out.finished, out.finish_reason, out.matched_stop = True, seq.finish_reason, seq.matched_stop
+        out.input_logprobs = seq.input_logprobs
         return subject, out
 
     def _error(self, seq: Sequence, code: int, message: str) -> tuple[str, SeqOutput]:

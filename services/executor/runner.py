@@ -104,13 +104,21 @@ class ModelRunner:
             seq.slots = self.kv.token_slots(seq.pages, len(seq.pages) * self.kv.page_size).to(self.device)
         return seq.slots
 
-    def build(self, plan: Plan) -> tuple[ForwardBatch, list[int]]:
-        """Tensors for one step, and the indices (into plan.seqs) of sequences that get a token."""
+    def build(self, plan: Plan) -> tuple[ForwardBatch, list[int], list[tuple[int, int]]]:
+        """Tensors for one step, the indices (into plan.seqs) of sequences that get a token, and the
+        prompt-logprob rows: (index into plan.seqs, token whose logprob the row gives), in order;
+        their logits rows follow the sampled ones in fb.logits_rows."""
         dev, ps = self.device, self.kv.page_size
         ids, pos, out_slots, seq_slots, rows, want = [], [], [], [], [], []
+        lp_rows, lp = [], []
         row = 0
         for i, (seq, ext) in enumerate(zip(plan.seqs, plan.extend_lens)):
             start, end = seq.computed_len, seq.computed_len + ext
+            if seq.logprob_start >= 0 and not plan.is_decode:
+                # the logits at position p predict token p + 1
+                for p in range(max(start, seq.logprob_start - 1, 0), min(end, seq.prompt_len - 1)):
+                    lp_rows.append(row + p - start)
+                    lp.append((i, seq.tokens[p + 1]))
             slots = self._slots(seq)[:end]
             ids.extend(seq.tokens[start:end])
             pos.extend(range(start, end))
@@ -120,7 +128,7 @@ class ModelRunner:
                 out_slots.append(slots[start:end])
             seq_slots.append(slots)
             row += ext
-            if end == len(seq.tokens):        # the prompt is complete: this step yields a token
+            if end == len(seq.tokens) and not seq.prefill_only:   # the prompt is complete: this step yields a token
                 rows.append(row - 1)
                 want.append(i)
         fb = ForwardBatch(
@@ -132,7 +140,7 @@ class ModelRunner:
             extend_lens=list(plan.extend_lens),
             seq_slots=seq_slots,
             state_slots=torch.tensor([s.state_slot for s in plan.seqs], dtype=torch.int64, device=dev),
-            logits_rows=torch.tensor(rows, dtype=torch.int64, device=dev))
+            logits_rows=torch.tensor(rows + lp_rows, dtype=torch.int64, device=dev))
         # a shared prefix lies within what every member computed before this step
         # groups of one only in decode: in a prefill the new tokens are many and are better read
         # together with the rest of their sequence by one masked kernel
@@ -151,7 +159,7 @@ class ModelRunner:
                 fb.own_table = torch.nn.utils.rnn.pad_sequence(own, batch_first=True)
             else:
                 fb.slot_table = torch.nn.utils.rnn.pad_sequence(seq_slots, batch_first=True)
-        return fb, want
+        return fb, want, lp
 
     def run(self, plan: Plan) -> dict[int, int]:
         """Run one step; returns {index in plan.seqs: sampled token} for sequences that produce one."""
@@ -163,8 +171,14 @@ class ModelRunner:
                     else:
                         self.state.reset(seq.state_slot)
                     seq.state_ready = True
-        fb, want = self.build(plan)
+        fb, want, lp = self.build(plan)
         logits = self.model(fb, self.kv, self.state)
+        if lp:
+            targets = torch.tensor([t for _, t in lp], dtype=torch.int64, device=logits.device)
+            vals = torch.log_softmax(logits[len(want):], dim=-1).gather(1, targets[:, None])[:, 0].tolist()
+            for (i, _), v in zip(lp, vals):
+                plan.seqs[i].input_logprobs.append(v)
+            logits = logits[:len(want)]
         seqs = [plan.seqs[i] for i in want]
         for s in seqs:
             if s.generator is None and not sampler.is_greedy(s.sampling):

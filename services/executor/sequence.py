@@ -51,6 +51,12 @@ class Sequence:
     tail_pos: int = 0            # ... which is this position (0: none yet)
     checkpoint_at: list[int] = field(default_factory=list)   # extra checkpoints asked for (fork points)
     matcher: Any = None          # structured output: an xgrammar GrammarMatcher over the output
+    priority: int = 0            # admission order (speculative program branches: lower)
+    pin: str = ""                # programs: keep the cached prefix locked under this key at release
+    pin_ttl_s: float = 0.0
+    discard: bool = False        # cancelled branch: cache nothing more at release
+    logprob_start: int = -1      # >= 0: collect logprobs of prompt tokens from here on ...
+    input_logprobs: list[float] = field(default_factory=list)   # ... in order
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.tokens)
@@ -63,6 +69,11 @@ class Sequence:
     @property
     def num_output(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+    @property
+    def prefill_only(self) -> bool:
+        """max_new_tokens == 0: compute the prompt's KV (a program's fork point, prompt logprobs), sample nothing."""
+        return self.sampling.max_new_tokens == 0
 
     @property
     def max_len(self) -> int:

@@ -95,7 +95,7 @@ class ExecutorService(Actor):
         return ExecAccepted(rid=req.rid)
 
     async def abort(self, req: AbortRequest) -> None:
-        self.engine.abort(req.rids)
+        self.engine.abort(req.rids, req.discard)
         self._wake.set()
 
     async def _compute_loop(self) -> None:
@@ -160,7 +160,7 @@ class ExecutorService(Actor):
         e = self.engine
         return ExecutorInfo(model=self.model_name, max_model_len=e.max_model_len if e else 0,
                             vocab_size=e.spec.vocab_size if e else 0, running=e.num_running if e else 0,
-                            waiting=e.num_waiting if e else 0)
+                            waiting=e.num_waiting if e else 0, page_size=e.page_size if e else self.cfg.page_size)
 
     def heartbeat_detail(self) -> dict:
         import msgspec

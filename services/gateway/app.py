@@ -326,4 +326,6 @@ def make_app(bus: Bus, client: EngineClient, config: Any) -> web.Application:
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/memory", memory)
+    from . import programs     # the programs dialect (it builds on this module's helpers)
+    programs.add_routes(app)
     return app

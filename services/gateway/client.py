@@ -16,9 +16,12 @@ import msgspec
 
 from radixflow.shared import subjects
 from radixflow.shared.bus import Bus, InboxStream
-from radixflow.shared.errors import RadixflowError, ServiceUnavailable, from_reply
+from radixflow.shared.errors import NotFound, RadixflowError, RequestTimeout, ServiceUnavailable, from_reply
 from radixflow.shared.messages import (AbortRequest, Accepted, ErrorReply, ExecutorInfo, GenerateRequest, Heartbeat,
+                                       ProgramAccepted, ProgramEvent, ProgramInfo, ProgramQuery, ProgramRequest,
                                        StreamChunk, StreamError)
+
+KEEP_OWNERS = 10_000     # program id -> its scheduler, for GET / DELETE without a broadcast
 
 
 @dataclass
@@ -41,6 +44,7 @@ class EngineClient:
         self._schedulers: dict[str, float] = {}           # instance -> last heartbeat (monotonic)
         self._executors: dict[str, tuple[float, ExecutorInfo]] = {}
         self._streams: dict[str, tuple[str, InboxStream]] = {}   # rid -> (scheduler, stream)
+        self._owners: dict[str, str] = {}                       # program id -> scheduler instance
 
     async def on_heartbeat(self, hb: Heartbeat) -> None:
         now = time.monotonic()
@@ -91,6 +95,49 @@ class EngineClient:
                 self._streams.pop(req.rid, None)
                 if not done:
                     await self._abort(req.rid)
+
+    async def program(self, req: ProgramRequest) -> AsyncIterator[ProgramAccepted | ProgramEvent]:
+        """Yield ProgramAccepted, then every ProgramEvent up to the terminal one. Leaving early
+        (client gone) cancels the program."""
+        done = False
+        async with self.bus.open_stream(idle_timeout_s=self.request_timeout_s) as stream:
+            req.stream_subject = stream.subject
+            acc = await self.bus.request(subjects.SCHEDULER_PROGRAM, req, ProgramAccepted, timeout=120)
+            self._streams[req.id] = (acc.scheduler, stream)
+            self._schedulers.setdefault(acc.scheduler, time.monotonic())
+            self._owners[req.id] = acc.scheduler
+            while len(self._owners) > KEEP_OWNERS:
+                self._owners.pop(next(iter(self._owners)))
+            try:
+                yield acc
+                async for item in stream:
+                    if isinstance(item, StreamError):
+                        done = True
+                        raise from_reply(ErrorReply(code=item.code, kind=item.kind, message=item.message))
+                    done = item.finished
+                    yield item
+            finally:
+                self._streams.pop(req.id, None)
+                if not done:
+                    try:
+                        await self.program_op("cancel", ProgramQuery(id=req.id, tenant=req.tenant))
+                    except RadixflowError:
+                        pass
+
+    async def program_op(self, op: str, q: ProgramQuery) -> ProgramInfo:
+        """GET or cancel a program at its scheduler (known when this gateway submitted it), else ask
+        every scheduler: only the owner answers, so silence is a 404."""
+        owner = self._owners.get(q.id)
+        if owner is not None:
+            try:
+                return await self.bus.request(subjects.program_op(owner, op), q, ProgramInfo, timeout=10)
+            except ServiceUnavailable:
+                pass       # that scheduler is gone; another may have it (it never does today: programs live in one)
+        subject = subjects.PROGRAM_GET if op == "get" else subjects.PROGRAM_CANCEL
+        try:
+            return await self.bus.request(subject, q, ProgramInfo, timeout=1.0)
+        except RequestTimeout:
+            raise NotFound(f"no program {q.id!r}", param="id") from None
 
     async def _abort(self, rid: str) -> None:
         try:

@@ -16,14 +16,21 @@ match ends, so the next sibling resumes exactly there), every `checkpoint_interv
 last page boundary of its prompt. During decode the executor keeps a tail checkpoint at the latest
 page boundary, inserted at release (the next turn of a conversation resumes from it).
 
+Programs pin a fork point: a request released with `pin` keeps its inserted prefix locked under
+that key until RadixUnpin (its children have all been admitted, and lock the path themselves) or
+the pin's deadline. A cancelled branch (`discard`) and a lost select choice (`demote`) have their
+private pages marked oldest in the LRU: the first to go under memory pressure.
+
 With cache=False (--disable-radix-cache) nothing is matched or inserted: the same engine without
 sharing, the baseline every cache claim is measured against.
 """
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
-from radixflow.shared.messages import (Candidate, Deferred, Grant, Progress, RadixStep, RadixStepReply,
+from radixflow.shared.messages import (Candidate, Deferred, Grant, Progress, RadixDemote, RadixStep, RadixStepReply,
                                        Release)
 
 from .tree import Evicted, Node, RadixTree
@@ -40,6 +47,7 @@ class Held:
     pages: list[int]      # the request's whole page table
     node: Node            # locked: the deepest tree node of its KV match / inserted prefix
     inserted: int = 0     # tokens already inserted into the tree
+    keep: int = 0         # tokens matched at admission (shared with others: never demoted for this one)
     computing: tuple | None = None   # the uncached page it computes first (see PagePool._next_page)
     working: int = -1                # state slots (hybrid)
     tail: int = -1
@@ -62,6 +70,8 @@ class PagePool:
         # first uncached page of each admitted request, until its progress puts it in the tree:
         # a later candidate with the same next page waits for that instead of computing it too
         self.computing: dict[tuple, str] = {}
+        self.pins: dict[str, tuple[Node, float]] = {}     # key -> (locked node, monotonic deadline)
+        self._unpinned: deque[str] = deque(maxlen=4096)   # unpinned before their release arrived
         self.counters = {"evicted_pages_total": 0, "state_checkpoints_total": 0, "state_restores_total": 0,
                          "state_recomputed_tokens_total": 0, "evicted_states_total": 0}
 
@@ -134,10 +144,13 @@ class PagePool:
         """Longest usable cached prefix first (arrival order among equals), all-or-nothing per request."""
         matches = []
         for c in cands:
-            m = self.tree.match(c.namespace, c.token_ids[:-1]) if self.cache and len(c.token_ids) > 1 else None
+            # at least the last prompt token is computed (its logits sample the first output token);
+            # prompt logprobs need the logits of every token from max_cached on
+            limit = len(c.token_ids) - 1 if c.max_cached < 0 else min(len(c.token_ids) - 1, c.max_cached)
+            m = self.tree.match(c.namespace, c.token_ids[:limit]) if self.cache and limit > 0 else None
             usable = 0 if m is None else m.state_len if self.hybrid else m.length
             matches.append((c, m, usable))
-        matches.sort(key=lambda x: -x[2])
+        matches.sort(key=lambda x: (-x[0].priority, -x[2]))
         grants: list[Grant] = []
         deferred: list[Deferred] = []
         blocked = False
@@ -178,7 +191,7 @@ class PagePool:
                 self._release_pages(fresh)
             return None
         pages = cached_pages + fresh
-        h = Held(c.namespace, list(c.token_ids), pages, node, cached, nxt)
+        h = Held(c.namespace, list(c.token_ids), pages, node, cached, cached, nxt)
         g = Grant(rid=c.rid, cached_tokens=cached, pages=pages)
         if self.hybrid:
             h.working, h.tail, h.planned = slots[0], slots[1], dict(zip(plan, slots[2:]))
@@ -251,17 +264,59 @@ class PagePool:
             self._free_states.extend(s for s in (h.working, h.tail) if s >= 0)
             self._free_states.extend(h.planned.values())
             return
-        self._insert(h, r.computed)
+        if not r.discard:
+            self._insert(h, r.computed)
         if self.hybrid:
-            self._attach_planned(h, r.computed)
+            if not r.discard:
+                self._attach_planned(h, r.computed)
             self._free_states.extend(h.planned.values())
-            keep_tail = r.tail > 0 and self._checkpoint(h, r.tail, h.tail)
+            keep_tail = r.tail > 0 and not r.discard and self._checkpoint(h, r.tail, h.tail)
             self._free_states.extend([h.working] + ([] if keep_tail else [h.tail]))
+        if r.pin and not r.discard:
+            self._pin(r.pin, h.node, r.pin_ttl_s)
         self.tree.unlock(h.node)
+        if r.discard:
+            self.tree.demote(h.node, h.keep)
         # the tree keeps, for the inserted prefix, either this request's page or its own copy
         k = h.inserted // self.page_size
         kept = set(self.tree.match(h.namespace, h.tokens[:h.inserted], split=False).pages)
         self._release_pages([p for p in h.pages[:k] if p not in kept] + h.pages[k:])
+
+    # ------------------------------------------------------------ programs: pins and demotion
+
+    def _pin(self, key: str, node: Node, ttl_s: float) -> None:
+        if key in self._unpinned or key in self.pins or node.is_root:
+            return
+        self.tree.lock(node)
+        self.pins[key] = (node, time.monotonic() + (ttl_s if ttl_s > 0 else 900.0))
+
+    def unpin(self, keys: list[str]) -> None:
+        for k in keys:
+            pin = self.pins.pop(k, None)
+            if pin is None:
+                self._unpinned.append(k)     # its release may still be on its way: do not pin it then
+            else:
+                self.tree.unlock(pin[0])
+
+    def expire_pins(self, now: float) -> list[str]:
+        """Unpin what outlived its deadline (a program whose scheduler vanished)."""
+        gone = [k for k, (_, deadline) in self.pins.items() if now > deadline]
+        self.unpin(gone)
+        return gone
+
+    def demote(self, d: RadixDemote) -> int:
+        if not self.cache:
+            return 0
+        m = self.tree.match(d.namespace, d.token_ids, split=False)
+        return self.tree.demote(m.node, d.keep)
+
+    def pinned_pages(self) -> int:
+        seen: set[int] = set()
+        for node, _ in self.pins.values():
+            while node is not None and not node.is_root and id(node) not in seen:
+                seen.add(id(node))
+                node = node.parent
+        return sum(len(n.pages) for n in self.tree.nodes() if id(n) in seen)
 
     def flush(self) -> int:
         ev = self.tree.flush()
@@ -274,7 +329,8 @@ class PagePool:
         out = {"kv_pages_total": self.num_pages, "kv_pages_free": self.free_pages,
                "kv_pages_used": self.num_pages - self.free_pages, "kv_pages_cached": self.tree.cached_pages,
                "kv_pages_evictable": self.tree.evictable_pages, "kv_pages_private": self.private_pages,
-               "requests_held": len(self.held)} | self.counters
+               "requests_held": len(self.held), "pins": len(self.pins),
+               "kv_pages_pinned": self.pinned_pages()} | self.counters
         if self.hybrid:
             out |= {"state_slots_total": self.num_state_slots, "state_slots_free": len(self._free_states),
                     "state_slots_used": self.num_state_slots - len(self._free_states),

@@ -13,8 +13,8 @@ from radixflow.shared.actor import Actor
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import ServiceConfig
 from radixflow.shared.errors import BadRequest, NotFound
-from radixflow.shared.messages import (Heartbeat, RadixFlush, RadixFlushed, RadixPlace, RadixPlaceReply, RadixRegister,
-                                       RadixRegistered, RadixStep, RadixStepReply, Sample)
+from radixflow.shared.messages import (Heartbeat, RadixDemote, RadixFlush, RadixFlushed, RadixPlace, RadixPlaceReply,
+                                       RadixRegister, RadixRegistered, RadixStep, RadixStepReply, RadixUnpin, Sample)
 
 from .pool import PagePool
 
@@ -32,6 +32,8 @@ class RadixService(Actor):
         self.route(subjects.radix_step("*"), RadixStep, self.step)
         self.route(subjects.RADIX_FLUSH, RadixFlush, self.flush)
         self.route(subjects.RADIX_PLACE, RadixPlace, self.place)
+        self.route(subjects.RADIX_UNPIN, RadixUnpin, self.unpin)
+        self.route(subjects.RADIX_DEMOTE, RadixDemote, self.demote)
         self.route(subjects.heartbeat("executor"), Heartbeat, self.on_executor)
 
     async def on_start(self) -> None:
@@ -62,6 +64,16 @@ class RadixService(Actor):
         return RadixPlaceReply(cached_tokens={p: self.pools[p].match_len(req.namespace, req.token_ids)
                                               for p in req.pools if p in self.pools})
 
+    async def unpin(self, req: RadixUnpin) -> None:
+        pool = self.pools.get(req.pool)
+        if pool is not None:
+            pool.unpin(req.keys)
+
+    async def demote(self, req: RadixDemote) -> None:
+        pool = self.pools.get(req.pool)
+        if pool is not None:
+            pool.demote(req)
+
     async def on_executor(self, hb: Heartbeat) -> None:
         if hb.instance in self.pools:
             self.seen[hb.instance] = time.monotonic()
@@ -70,6 +82,10 @@ class RadixService(Actor):
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
+            for name, pool in self.pools.items():
+                expired = pool.expire_pins(now)
+                if expired:
+                    self.log.warning("pins expired before their program unpinned them", pool=name, pins=len(expired))
             for p in [p for p, t in self.seen.items() if now - t > POOL_TIMEOUT_S]:
                 self.pools.pop(p, None)
                 self.seen.pop(p, None)
@@ -82,7 +98,7 @@ class RadixService(Actor):
         out = []
         for name, pool in self.pools.items():
             st = pool.stats()
-            for key in ("kv_pages_used", "kv_pages_total", "kv_pages_evictable", "kv_pages_cached", "evicted_pages_total",
+            for key in ("kv_pages_used", "kv_pages_pinned", "pins", "kv_pages_total", "kv_pages_evictable", "kv_pages_cached", "evicted_pages_total",
                         "state_slots_used", "state_slots_total", "state_slots_cached", "state_checkpoints_total",
                         "state_restores_total", "state_recomputed_tokens_total", "evicted_states_total"):
                 if key in st:

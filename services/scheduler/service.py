@@ -19,16 +19,16 @@ from radixflow.shared.actor import Actor
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import SchedulerConfig, ServiceConfig
 from radixflow.shared.errors import BadRequest, Overloaded, RadixflowError, ServiceUnavailable
-from radixflow.shared.messages import (AbortRequest, Accepted, DetokenizeReply, DetokenizeRequest, DetokItem,
-                                       EncodeReply, EncodeRequest, ExecAccepted, ExecRequest, ExecutorInfo,
-                                       GrammarCompile, GrammarCompiled,
-                                       GenerateRequest, Heartbeat, RadixPlace, RadixPlaceReply, StatusReply,
-                                       StatusRequest, StepOutput,
+from radixflow.shared.messages import (AbortRequest, Accepted, Constraint, DetokenizeReply, DetokenizeRequest,
+                                       DetokItem, EncodeReply, EncodeRequest, ExecAccepted, ExecRequest, ExecutorInfo,
+                                       GenerateRequest, GrammarCompile, GrammarCompiled, Heartbeat, ProgramQuery,
+                                       ProgramRequest, RadixPlace, RadixPlaceReply, Sample, StatusRequest, StepOutput,
                                        StreamChunk, StreamError, TokenizerInfo, Usage)
 from radixflow.shared.validate import check_request
 
+from .programs import ProgramDriver
 from .structured import OutputCheck, check_constraint
-from .table import RequestTable, Tracked
+from .table import RequestTable, Tracked, namespace_of
 
 
 @dataclass
@@ -53,17 +53,26 @@ class SchedulerService(Actor):
         self.route(subjects.SCHEDULER_ABORT, AbortRequest, self.abort)
         self.route(subjects.heartbeat("executor"), Heartbeat, self.on_executor_heartbeat)
         self.route(self.output_subject, StepOutput, self.on_output, ordered=True)
+        self.programs = ProgramDriver(self)
+        self.route(subjects.SCHEDULER_PROGRAM, ProgramRequest, self.programs.submit, queue="scheduler")
+        self.route(subjects.PROGRAM_GET, ProgramQuery, self.programs.get_if_owner)
+        self.route(subjects.PROGRAM_CANCEL, ProgramQuery, self.programs.cancel_if_owner)
+        self.route(subjects.program_op(self.instance, "get"), ProgramQuery, self.programs.get)
+        self.route(subjects.program_op(self.instance, "cancel"), ProgramQuery, self.programs.cancel)
 
     async def on_start(self) -> None:
         self.spawn("watchdog", self._watchdog)
 
     async def on_drain(self) -> None:
-        while len(self.table):
+        while len(self.table) or self.programs.runs:
             await asyncio.sleep(0.02)
 
     def status(self) -> dict:
-        return {"inflight": len(self.table),
+        return {"inflight": len(self.table), "programs": len(self.programs.runs),
                 "executors": {k: msgspec.to_builtins(v.info) for k, v in self.executors.items()}}
+
+    def metrics(self) -> list[Sample]:
+        return [Sample(name="requests_inflight", value=len(self.table))] + self.programs.metrics()
 
     # ------------------------------------------------------------ executors
 
@@ -108,50 +117,62 @@ class SchedulerService(Actor):
             self._eos = list(info.eos_token_ids)
         return self._eos
 
-    async def submit(self, req: GenerateRequest) -> Accepted:
-        check_request(req)
+    async def encode(self, text: str | None = None, messages=None, texts: list[str] | None = None) -> EncodeReply:
+        return await self.bus.request(subjects.TOKENIZER_ENCODE, EncodeRequest(text=text, messages=messages, texts=texts),
+                                      EncodeReply, timeout=30)
+
+    async def compile(self, c: Constraint | None) -> tuple[str | None, OutputCheck | None]:
+        """The compiled grammar's key and the final-output check of a constraint (None: unconstrained)."""
+        if c is None:
+            return None, None
+        check_constraint(c)
+        compiled = await self.bus.request(subjects.GRAMMAR_COMPILE, GrammarCompile(kind=c.kind, spec=c.spec),
+                                          GrammarCompiled, timeout=60)
+        return compiled.key, OutputCheck(c)
+
+    def check_room(self) -> None:
         if len(self.table) >= self.cfg.max_queued_requests:
             raise Overloaded(f"{len(self.table)} requests in flight; try again later")
+
+    async def submit(self, req: GenerateRequest) -> Accepted:
+        check_request(req)
+        self.check_room()
         if req.rid in self.table:
             raise BadRequest(f"request id {req.rid!r} is already in flight", param="rid")
         live = self.live_executors()   # fail fast before tokenizing when nothing can run it
         if req.input_ids is not None:
             ids = req.input_ids
         else:
-            enc = await self.bus.request(subjects.TOKENIZER_ENCODE, EncodeRequest(text=req.text, messages=req.messages),
-                                         EncodeReply, timeout=30)
-            ids = enc.input_ids
+            ids = (await self.encode(text=req.text, messages=req.messages)).input_ids
             if not ids:
                 raise BadRequest("the prompt tokenizes to nothing", param="text")
-        grammar_key, check = None, None
-        if req.constraint is not None:
-            check_constraint(req.constraint)
-            compiled = await self.bus.request(subjects.GRAMMAR_COMPILE, GrammarCompile(
-                kind=req.constraint.kind, spec=req.constraint.spec), GrammarCompiled, timeout=60)
-            grammar_key, check = compiled.key, OutputCheck(req.constraint)
-        namespace = req.tenant + (f"/{req.cache_salt}" if req.cache_salt else "")
+        grammar_key, check = await self.compile(req.constraint)
+        namespace = namespace_of(req.tenant, req.cache_salt)
         ex = await self.place(live, namespace, ids)
-        limit = ex.info.max_model_len
+        t = Tracked(rid=req.rid, stream_subject=req.stream_subject, executor=ex.instance, prompt_tokens=len(ids),
+                    sampling=req.sampling, deadline=time.monotonic() + self.cfg.request_timeout_s, stream=req.stream,
+                    check=check)
+        await self.dispatch(ex, ExecRequest(rid=req.rid, input_ids=ids, sampling=req.sampling, namespace=namespace,
+                                            grammar_key=grammar_key), t)
+        return Accepted(rid=req.rid, prompt_tokens=len(ids), executor=ex.instance, scheduler=self.instance)
+
+    async def dispatch(self, ex: ExecutorState, req: ExecRequest, t: Tracked) -> None:
+        """Track `t` and hand `req` to executor `ex`; raises (and tracks nothing) when it is refused."""
+        ids, limit = req.input_ids, ex.info.max_model_len
         if len(ids) + req.sampling.max_new_tokens > limit:
             raise BadRequest(f"prompt ({len(ids)} tokens) plus max_new_tokens ({req.sampling.max_new_tokens}) "
                              f"exceeds the model's context length of {limit} tokens", param="max_new_tokens")
         if max(ids) >= ex.info.vocab_size:
             raise BadRequest(f"input_ids must be < vocab size {ex.info.vocab_size}", param="input_ids")
-        t = Tracked(rid=req.rid, stream_subject=req.stream_subject, executor=ex.instance, prompt_tokens=len(ids),
-                    sampling=req.sampling, deadline=time.monotonic() + self.cfg.request_timeout_s, stream=req.stream,
-                    check=check)
+        req.eos_token_ids, req.output_subject = await self._eos_ids(), self.output_subject
         self.table.add(t)    # before dispatch: an output may arrive before the executor's reply does
         ex.inflight += 1
         try:
-            await self.bus.request(subjects.executor_submit(ex.instance), ExecRequest(
-                rid=req.rid, input_ids=ids, sampling=req.sampling, eos_token_ids=await self._eos_ids(),
-                namespace=namespace, output_subject=self.output_subject, grammar_key=grammar_key),
-                ExecAccepted, timeout=40)
+            await self.bus.request(subjects.executor_submit(ex.instance), req, ExecAccepted, timeout=40)
         except RadixflowError:
-            self.table.finish(req.rid)     # not accepted: the client gets the error as the reply instead
+            self.table.finish(req.rid)     # not accepted: the caller gets the error instead
             ex.inflight -= 1
             raise
-        return Accepted(rid=req.rid, prompt_tokens=len(ids), executor=ex.instance, scheduler=self.instance)
 
     async def abort(self, req: AbortRequest) -> None:
         by_exec: dict[str, list[str]] = {}
@@ -171,6 +192,8 @@ class SchedulerService(Actor):
         for t, o in live:
             t.output_ids.extend(o.token_ids)
             t.cached_tokens = o.cached_tokens
+            if o.input_logprobs:
+                t.input_logprobs = o.input_logprobs
         # a non-streaming request without stop strings is detokenized once, when it ends
         live = [(t, o) for t, o in live if t.incremental or o.finished]
         if not live:
@@ -213,6 +236,9 @@ class SchedulerService(Actor):
             await self.bus.publish(subjects.executor_abort(ex), AbortRequest(rids=rids))
 
     async def _send(self, t: Tracked, item: StreamChunk | StreamError) -> None:
+        if t.sink is not None:
+            await t.sink(item)
+            return
         try:
             await self.bus.publish(t.stream_subject, item)
         except RadixflowError as e:   # oversize chunk: the client must still get a terminal event
@@ -225,7 +251,7 @@ class SchedulerService(Actor):
         await self._send(t, StreamChunk(rid=t.rid, seq=t.take_seq(), text=text, token_ids=t.take_ids(), finished=True,
                                         finish_reason=reason, matched_stop=matched, usage=Usage(
                                             prompt_tokens=t.prompt_tokens, completion_tokens=len(t.output_ids),
-                                            cached_tokens=t.cached_tokens)))
+                                            cached_tokens=t.cached_tokens), input_logprobs=t.input_logprobs))
 
     async def _fail(self, t: Tracked, code: int, kind: str, message: str, abort: bool = False) -> None:
         if self.table.finish(t.rid) is None:
@@ -239,6 +265,17 @@ class SchedulerService(Actor):
                 await self.bus.publish(subjects.executor_abort(t.executor), AbortRequest(rids=[t.rid]))
             except RadixflowError:
                 pass
+
+    def forget(self, rids: list[str]) -> dict[str, list[str]]:
+        """Stop tracking requests without a terminal event (their program already ended them);
+        returns them by executor, to be aborted there."""
+        by_exec: dict[str, list[str]] = {}
+        for rid in rids:
+            t = self.table.finish(rid)
+            if t is not None:
+                self._release(t)
+                by_exec.setdefault(t.executor, []).append(rid)
+        return by_exec
 
     def _release(self, t: Tracked) -> None:
         ex = self.executors.get(t.executor)
@@ -259,6 +296,7 @@ class SchedulerService(Actor):
                     for t in lost:
                         await self._fail(t, 503, "service_unavailable",
                                          f"executor {inst} stopped responding; the request was lost")
+            await self.programs.expire(now)
             for t in self.table.expired(now):
                 await self._fail(t, 504, "timeout", f"request did not finish within {self.cfg.request_timeout_s:g}s",
                                  abort=True)

@@ -2,12 +2,18 @@
 terminal event: `finish` removes the entry, so whatever arrives for it later is ignored."""
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from radixflow.shared.messages import SamplingParams
+from radixflow.shared.messages import SamplingParams, StreamChunk, StreamError
 
 from .stops import StopMatcher
 from .structured import OutputCheck
+
+
+def namespace_of(tenant: str, cache_salt: str | None) -> str:
+    """The cache namespace: pages are shared only within one."""
+    return tenant + (f"/{cache_salt}" if cache_salt else "")
 
 
 @dataclass(eq=False)
@@ -28,6 +34,9 @@ class Tracked:
     sent: int = 0                 # output ids already sent in chunks
     check: "OutputCheck | None" = None   # structured output: validated once the text is complete
     text: str = ""                # the released text so far (kept only when `check` needs it)
+    input_logprobs: list[float] = field(default_factory=list)
+    # where the stream items go instead of `stream_subject`: a program's node (programs.py)
+    sink: Callable[[StreamChunk | StreamError], Awaitable[None]] | None = None
 
     def __post_init__(self) -> None:
         self.stops = StopMatcher(self.sampling.stop)

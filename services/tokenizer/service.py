@@ -44,9 +44,12 @@ class TokenizerService(Actor):
         return {"vocab_size": self.tok.vocab_size if self.tok else 0}
 
     async def encode(self, req: EncodeRequest) -> EncodeReply:
-        if (req.text is None) == (req.messages is None):
-            raise BadRequest("give exactly one of text or messages")
+        if sum(x is not None for x in (req.text, req.messages, req.texts)) != 1:
+            raise BadRequest("give exactly one of text, messages or texts")
         loop = asyncio.get_running_loop()
+        if req.texts is not None:
+            batch = await loop.run_in_executor(self._pool, lambda: [self.tok.encode(t) for t in req.texts])
+            return EncodeReply(batch=batch)
         if req.text is not None:
             ids = await loop.run_in_executor(self._pool, self.tok.encode, req.text)
         else:

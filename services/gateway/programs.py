@@ -1,0 +1,110 @@
+"""The programs API (HTTP dialect): POST /v1/programs, GET /v1/programs/{id},
+DELETE /v1/programs/{id}, DELETE /v1/programs/{id}/nodes/{node}.
+
+    POST {"nodes": [...], "stream": false}
+      -> {"id", "state", "nodes": {NODE: {"state", "text", "output", "meta_info": {...}, "error"?}}}
+    with "stream": true, SSE events: started / delta / finished per node, then one "done" event
+    carrying the whole result, then [DONE].
+"""
+from __future__ import annotations
+
+from aiohttp import web
+
+from radixflow.shared import log
+from radixflow.shared.errors import RadixflowError
+from radixflow.shared.messages import NodeResult, ProgramAccepted, ProgramEvent, ProgramNode, ProgramQuery, ProgramRequest
+
+from . import protocol as P
+from .app import CLIENT, _check_open, _finish_native, _send, _sse, _stream_error, _tenant
+from .client import new_rid
+
+
+class ProgramBody(P._Body, kw_only=True):
+    nodes: list[ProgramNode]
+    stream: bool = False
+    id: str | None = None
+    cache_salt: str | None = None
+    timeout: float = 0.0               # seconds; the program's one deadline (0: the server's request timeout)
+
+
+def node_json(r: NodeResult) -> dict:
+    meta = {"prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+            "completion_tokens": r.completion_tokens,
+            "finish_reason": _finish_native(r.finish_reason, r.matched_stop, r.completion_tokens)}
+    if r.kind == "select":
+        meta["scores"] = r.scores
+    out = {"state": r.state, "kind": r.kind, "text": r.text, "output": r.output, "output_ids": r.output_ids,
+           "meta_info": meta}
+    if r.discarded:
+        out["discarded"] = True
+    if r.error is not None:
+        out["error"] = {"message": r.error, "code": r.error_code}
+    return out
+
+
+def _dag_json(info) -> dict:
+    return {"id": info.id, "state": info.state, "nodes": [
+        {"id": r.id, "parent": r.parent, "after": r.after, "speculative": r.speculative} | node_json(r)
+        for r in info.nodes]}
+
+
+async def post_program(request: web.Request) -> web.StreamResponse:
+    _check_open(request)
+    tenant = _tenant(request)
+    body: ProgramBody = P.decode_body(await request.read(), ProgramBody)
+    req = ProgramRequest(id=body.id or new_rid(), stream_subject="", nodes=body.nodes, tenant=tenant,
+                         cache_salt=body.cache_salt, stream=body.stream, timeout_s=body.timeout)
+    with log.bind_request(req.id):
+        gen = request.app[CLIENT].program(req)
+        try:
+            acc: ProgramAccepted = await gen.__anext__()
+            results: dict[str, dict] = {}
+            state = "running"
+            resp = await _sse(request) if body.stream else None
+            try:
+                async for ev in gen:
+                    ev: ProgramEvent
+                    if ev.kind == "finished" and ev.result is not None:
+                        results[ev.node] = node_json(ev.result)
+                    if ev.finished:
+                        state = ev.status
+                    if resp is None:
+                        continue
+                    if ev.kind == "started":
+                        await _send(resp, {"event": "started", "id": acc.id, "node": ev.node})
+                    elif ev.kind == "delta":
+                        await _send(resp, {"event": "delta", "id": acc.id, "node": ev.node, "text": ev.text})
+                    elif ev.kind == "finished":
+                        await _send(resp, {"event": "finished", "id": acc.id, "node": ev.node} | results[ev.node])
+            except RadixflowError as e:
+                if resp is None:
+                    raise
+                await _stream_error(resp, e)
+                await _send(resp, b"[DONE]")
+                return resp
+            out = {"id": acc.id, "state": state, "nodes": results}
+            if resp is None:
+                return web.json_response(out)
+            await _send(resp, {"event": "done"} | out)
+            await _send(resp, b"[DONE]")
+            return resp
+        finally:
+            await gen.aclose()
+
+
+async def get_program(request: web.Request) -> web.Response:
+    q = ProgramQuery(id=request.match_info["id"], tenant=_tenant(request))
+    return web.json_response(_dag_json(await request.app[CLIENT].program_op("get", q)))
+
+
+async def cancel_program(request: web.Request) -> web.Response:
+    q = ProgramQuery(id=request.match_info["id"], tenant=_tenant(request), node=request.match_info.get("node"))
+    return web.json_response(_dag_json(await request.app[CLIENT].program_op("cancel", q)))
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/programs", post_program)
+    app.router.add_get("/v1/programs/{id}", get_program)
+    app.router.add_delete("/v1/programs/{id}", cancel_program)
+    app.router.add_delete("/v1/programs/{id}/nodes/{node}", cancel_program)
+
