@@ -475,7 +475,8 @@ class NodeResult(Msg):
 
 class ProgramEvent(Msg):
     """One item of a program's stream. kind: started | delta | finished (a node ended, in any
-    state; `result` holds it) | done (the program's terminal event, `finished` is true)."""
+    state; `result` holds it) | discarded (a finished speculative branch lost a select; `result`
+    again) | done (the program's terminal event, `finished` is true)."""
     program: str
     seq: int
     kind: str

@@ -3,7 +3,8 @@ DELETE /v1/programs/{id}, DELETE /v1/programs/{id}/nodes/{node}.
 
     POST {"nodes": [...], "stream": false}
       -> {"id", "state", "nodes": {NODE: {"state", "text", "output", "meta_info": {...}, "error"?}}}
-    with "stream": true, SSE events: started / delta / finished per node, then one "done" event
+    with "stream": true, SSE events: started / delta / finished (and discarded: a speculative branch
+    that lost a select) per node, then one "done" event
     carrying the whole result, then [DONE].
 """
 from __future__ import annotations
@@ -64,7 +65,7 @@ async def post_program(request: web.Request) -> web.StreamResponse:
             try:
                 async for ev in gen:
                     ev: ProgramEvent
-                    if ev.kind == "finished" and ev.result is not None:
+                    if ev.kind in ("finished", "discarded") and ev.result is not None:
                         results[ev.node] = node_json(ev.result)
                     if ev.finished:
                         state = ev.status
@@ -74,8 +75,8 @@ async def post_program(request: web.Request) -> web.StreamResponse:
                         await _send(resp, {"event": "started", "id": acc.id, "node": ev.node})
                     elif ev.kind == "delta":
                         await _send(resp, {"event": "delta", "id": acc.id, "node": ev.node, "text": ev.text})
-                    elif ev.kind == "finished":
-                        await _send(resp, {"event": "finished", "id": acc.id, "node": ev.node} | results[ev.node])
+                    elif ev.kind in ("finished", "discarded"):
+                        await _send(resp, {"event": ev.kind, "id": acc.id, "node": ev.node} | results[ev.node])
             except RadixflowError as e:
                 if resp is None:
                     raise

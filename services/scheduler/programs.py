@@ -263,6 +263,8 @@ class ProgramDriver:
         run.pins[n.id] = [p for p in pins if p[1] not in lost_keys]
         for b in self.policy.discarded_branches(run.graph, n, winner):
             b.discarded = True
+            await self._emit(run, ProgramEvent(program=run.id, seq=0, kind="discarded", node=b.id,
+                                               result=run.graph.result(b)))
             await self._publish(subjects.RADIX_DEMOTE, RadixDemote(
                 pool=b.executor, namespace=run.namespace, token_ids=b.full_ids, keep=len(run.graph.prefix_ids(b))))
 
