@@ -1,9 +1,9 @@
-"""Packaging glue: the repository's top level (shared/, services/, kernels/) is the product's layout;
+"""Packaging glue: the repository's top level (shared/, services/, kernels/, lang/) is the product's layout;
 installed, those folders live under one `radixflow` namespace so that generic names such as `kernels`
 never collide with other distributions (transformers probes for a package named `kernels`)."""
 from setuptools import find_packages, setup
 
-TOPS = ("shared", "services", "kernels")
+TOPS = ("shared", "services", "kernels", "lang")
 packages = [f"radixflow.{p}" for p in find_packages(include=[f"{t}" for t in TOPS] + [f"{t}.*" for t in TOPS])]
 setup(
     packages=packages,

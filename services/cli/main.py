@@ -5,7 +5,7 @@
     radixflow make-model PRESET DIR                                  a tiny HF checkpoint (tiny-dense, tiny-hybrid)
     radixflow schemas [--check]                                      write (or check) schemas/*.json
     radixflow memory [CONFIG] [--prefix-tokens N --copies C --json]  cache memory: calculator, or a server's
-    radixflow bench decode|latency|shared-prefix|structured          benchmarks beside their baselines
+    radixflow bench decode|latency|shared-prefix|structured|program  benchmarks beside their baselines
 """
 from __future__ import annotations
 
@@ -139,7 +139,8 @@ def _human(key: str, v) -> str:
 def cmd_bench(a: argparse.Namespace) -> int:
     import json
     from radixflow.services.bench.common import resolve_model
-    model = resolve_model(a.model or ("tiny-dense" if a.which == "shared-prefix" else "tiny-hybrid"))
+    model = resolve_model(a.model or ("tiny-dense" if a.which == "shared-prefix" else "tiny-hybrid")) \
+        if a.which != "program" else None
     if a.which == "decode":
         from radixflow.services.bench.decode import run_decode
         out = run_decode(model, [int(b) for b in a.batch.split(",")], a.prompt_len, a.new_tokens)
@@ -149,6 +150,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
     elif a.which == "structured":
         from radixflow.services.bench.structured import run_structured
         out = run_structured(model, batch=16)
+    elif a.which == "program":
+        from radixflow.services.bench.program import run_program
+        models = [resolve_model(m) for m in (a.model.split(",") if a.model else ["tiny-dense", "tiny-hybrid"])]
+        out = run_program(models, a.preamble, a.suffix, a.requests, a.max_tokens)
     elif a.which == "shared-prefix":
         from radixflow.services.bench.shared_prefix import run_shared_prefix
         out = run_shared_prefix(model, a.preamble, a.suffix, a.requests, a.output_tokens, a.first_alone)
@@ -190,12 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_memory)
     p = sub.add_parser("bench", help="benchmarks, each beside its baseline in one run")
-    p.add_argument("which", help="decode | latency | shared-prefix | structured")
+    p.add_argument("which", help="decode | latency | shared-prefix | structured | program")
     p.add_argument("--model", default=None, help="a preset (tiny-dense, tiny-hybrid) or a model directory "
-                                                 "(default: tiny-dense for shared-prefix, else tiny-hybrid)")
+                                                 "(default: tiny-dense for shared-prefix, both for program "
+                                                 "(comma-separated), else tiny-hybrid)")
     p.add_argument("--preamble", type=int, default=3000, help="shared-prefix: preamble tokens")
     p.add_argument("--suffix", type=int, default=100, help="shared-prefix: suffix tokens per request")
-    p.add_argument("--requests", type=int, default=40, help="shared-prefix: number of requests")
+    p.add_argument("--requests", type=int, default=40, help="shared-prefix, program: number of requests (children)")
+    p.add_argument("--max-tokens", type=int, default=64, help="program: max_tokens of each JSON answer")
     p.add_argument("--output-tokens", type=int, default=8, help="shared-prefix: tokens generated per request")
     p.add_argument("--first-alone", action="store_true", help="shared-prefix: send the first request before the rest")
     p.add_argument("--batch", default="1,16", help="decode: comma-separated batch sizes")
