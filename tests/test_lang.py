@@ -95,6 +95,13 @@ def test_fork_join_select_and_schema_return_the_expected_structure(server):
     assert [m["cached_tokens"] > 0 for m in out.meta_info("idea")] == [True, True]
 
 
+def test_run_batch(server):
+    outs = combined.run_batch([{"topic": "pages"}, {"topic": "trees"}, {"topic": "bus"}], backend=Runtime(server.base))
+    assert [o.text().startswith(f"Topic: {t}.") for o, t in zip(outs, ["pages", "trees", "bus"])] == [True] * 3
+    for o in outs:
+        jsonschema.validate(json.loads(o["call"]), SCHEMA)
+
+
 def _examples() -> dict[str, str]:
     text = open(README).read()
     return dict(re.findall(r"```python\n# radixflow\.lang example: (\w+)\n(.*?)```", text, re.S))

@@ -310,3 +310,67 @@ async def test_program_metrics(dense):
     saved = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                 if line.startswith("radixflow_program_parent_prefills_saved_total"))
     assert saved >= 6        # the fan-out's six children at least
+
+
+async def test_the_program_deadline_fails_what_is_unfinished(dense):
+    nodes = [{"id": "quick", "input_ids": SUFS[3], "gen": {"max_tokens": 2}},
+             {"id": "endless", "input_ids": SUFS[4], "gen": {"max_tokens": 20000, "ignore_eos": True}},
+             {"id": "after", "parent": "endless", "gen": {"max_tokens": 2}}]
+    status, res = await run(dense, nodes, timeout=1.5)
+    assert status == 200, res
+    n = res["nodes"]
+    assert res["state"] == "timeout" and n["quick"]["state"] == "done"
+    assert n["endless"]["state"] == "failed" and n["endless"]["error"]["code"] == 504
+    assert n["after"]["state"] == "failed"
+
+
+async def test_cancel_the_whole_program(dense):
+    nodes = [{"id": "a", "input_ids": SUFS[5], "gen": {"max_tokens": 3000, "ignore_eos": True}},
+             {"id": "b", "parent": "a", "gen": {"max_tokens": 2}}]
+    replies = {}
+
+    async def on_event(ev):
+        if ev["event"] == "delta" and "cancel" not in replies:
+            replies["cancel"] = None
+            async with dense.http.delete(f"{dense.base}/v1/programs/{ev['id']}") as r:
+                replies["cancel"] = (r.status, await r.json())
+    evs = await events(dense, nodes, on_event)
+    assert replies["cancel"][0] == 200 and replies["cancel"][1]["state"] == "cancelled"
+    assert evs[-2]["state"] == "cancelled"
+    assert {k: v["state"] for k, v in evs[-2]["nodes"].items()} == {"a": "cancelled", "b": "cancelled"}
+
+
+async def test_children_run_on_the_executor_holding_their_parent(models):
+    from radixflow.services.stack import build
+    st = await start(models["tiny-dense"])
+    bus = Bus("second-executor", BusConfig(nats_url=st.nats.url))
+    await bus.connect()
+    second = build("executor", bus, st.cfg)
+    await second.start()
+    try:
+        sched = st.actors["scheduler"]
+        for _ in range(100):
+            if len(sched.executors) == 2:
+                break
+            await asyncio.sleep(0.1)
+        assert len(sched.executors) == 2
+        homes = set()
+
+        def program():
+            pre = [rng.randint(300, 3999) for _ in range(64)]
+            return [{"id": "pre", "input_ids": pre}] + [
+                {"id": f"c{i}", "parent": "pre", "input_ids": SUFS[i][:8], "gen": {"max_tokens": 2}} for i in range(4)] + [
+                {"id": "g", "parent": "c0", "gen": {"max_tokens": 2}}]
+        # several programs at once, different preambles: placed by load over both executors
+        for status, res in await asyncio.gather(*(run(st, program()) for _ in range(6))):
+            assert status == 200, res
+            used = {v["executor"] for v in res["nodes"].values()}
+            assert len(used) == 1, used
+            homes |= used
+            assert all(res["nodes"][f"c{i}"]["meta_info"]["cached_tokens"] == 64 for i in range(4))
+        assert len(homes) == 2
+    finally:
+        await second.drain()
+        await second.stop()
+        await bus.close()
+        await stop(st)

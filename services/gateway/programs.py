@@ -35,7 +35,7 @@ def node_json(r: NodeResult) -> dict:
     if r.kind == "select":
         meta["scores"] = r.scores
     out = {"state": r.state, "kind": r.kind, "text": r.text, "output": r.output, "output_ids": r.output_ids,
-           "meta_info": meta}
+           "meta_info": meta, "executor": r.executor}
     if r.discarded:
         out["discarded"] = True
     if r.error is not None:

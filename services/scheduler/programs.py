@@ -156,9 +156,10 @@ class ProgramDriver:
             if not jobs[0].input_ids:
                 raise BadRequest("the node's prompt is empty", param="nodes")
             ex = await self._executor(run, n, jobs[0].input_ids)
-            n.executor = ex.instance
             if n.state != "running":
                 return                               # cancelled or failed while we tokenized
+            n.executor = ex.instance
+            ex.inflight += len(jobs)                 # now: placements made meanwhile see this load
             await self._emit(run, ProgramEvent(program=run.id, seq=0, kind="started", node=n.id))
             await asyncio.gather(*(self._send(run, n, job, ex) for job in jobs))
         except RadixflowError as e:
@@ -179,6 +180,7 @@ class ProgramDriver:
 
     async def _send(self, run: ProgramRun, n: Node, job: Job, ex) -> None:
         if n.state != "running":
+            ex.inflight -= 1                         # the reservation made in _start
             return
         rid = run.rid(n, job)
         key, check = run.grammars.get(n.id, (None, None))
@@ -195,7 +197,7 @@ class ProgramDriver:
             n.pinned = True
             run.pins.setdefault(n.id, []).append((ex.instance, rid))
         try:
-            await self.sched.dispatch(ex, req, t)
+            await self.sched.dispatch(ex, req, t, reserved=True)
         except RadixflowError:
             run.requests.pop(rid, None)
             raise

@@ -156,23 +156,33 @@ class SchedulerService(Actor):
                                             grammar_key=grammar_key), t)
         return Accepted(rid=req.rid, prompt_tokens=len(ids), executor=ex.instance, scheduler=self.instance)
 
-    async def dispatch(self, ex: ExecutorState, req: ExecRequest, t: Tracked) -> None:
-        """Track `t` and hand `req` to executor `ex`; raises (and tracks nothing) when it is refused."""
-        ids, limit = req.input_ids, ex.info.max_model_len
-        if len(ids) + req.sampling.max_new_tokens > limit:
-            raise BadRequest(f"prompt ({len(ids)} tokens) plus max_new_tokens ({req.sampling.max_new_tokens}) "
-                             f"exceeds the model's context length of {limit} tokens", param="max_new_tokens")
-        if max(ids) >= ex.info.vocab_size:
-            raise BadRequest(f"input_ids must be < vocab size {ex.info.vocab_size}", param="input_ids")
+    async def dispatch(self, ex: ExecutorState, req: ExecRequest, t: Tracked, reserved: bool = False) -> None:
+        """Track `t` and hand `req` to executor `ex`; raises (and tracks nothing) when it is refused.
+        `reserved`: the caller already counted it in ex.inflight (right when it chose `ex`, so that
+        placements made concurrently see each other's load); it is given back on failure."""
+        try:
+            self._check_fits(ex, req)
+        except RadixflowError:
+            ex.inflight -= reserved
+            raise
         req.eos_token_ids, req.output_subject = await self._eos_ids(), self.output_subject
         self.table.add(t)    # before dispatch: an output may arrive before the executor's reply does
-        ex.inflight += 1
+        ex.inflight += not reserved
         try:
             await self.bus.request(subjects.executor_submit(ex.instance), req, ExecAccepted, timeout=40)
         except RadixflowError:
             self.table.finish(req.rid)     # not accepted: the caller gets the error instead
             ex.inflight -= 1
             raise
+
+    @staticmethod
+    def _check_fits(ex: ExecutorState, req: ExecRequest) -> None:
+        ids, limit = req.input_ids, ex.info.max_model_len
+        if len(ids) + req.sampling.max_new_tokens > limit:
+            raise BadRequest(f"prompt ({len(ids)} tokens) plus max_new_tokens ({req.sampling.max_new_tokens}) "
+                             f"exceeds the model's context length of {limit} tokens", param="max_new_tokens")
+        if max(ids) >= ex.info.vocab_size:
+            raise BadRequest(f"input_ids must be < vocab size {ex.info.vocab_size}", param="input_ids")
 
     async def abort(self, req: AbortRequest) -> None:
         by_exec: dict[str, list[str]] = {}
