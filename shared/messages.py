@@ -270,14 +270,25 @@ class Release(Msg):
     discard: bool = False             # cancelled: cache nothing more; what it inserted is evicted first
 
 
+class Demote(Msg):
+    """Programs: a lost select choice. The cached pages of `token_ids` past its first `keep`
+    tokens (and not shared with another path) become the first to evict."""
+    namespace: str
+    token_ids: list[int]
+    keep: int = 0
+
+
 class RadixStep(Msg):
-    """Everything one executor step needs from the radix service, in one message."""
+    """Everything one executor step needs from the radix service, in one message, applied in this
+    order: releases, progress, unpins, demotes, then admission of the candidates."""
     pool: str
     budget: int                       # prefill tokens the step can still take
     max_admit: int                    # free request slots
     candidates: list[Candidate] = []
     progress: list[Progress] = []
     releases: list[Release] = []
+    unpins: list[str] = []            # programs: pins (Release.pin keys) no longer needed
+    demotes: list[Demote] = []
 
 
 class Grant(Msg):
@@ -324,19 +335,11 @@ class RadixPlaceReply(Msg):
     cached_tokens: dict[str, int]     # pool -> tokens it would reuse
 
 
-class RadixUnpin(Msg):
-    """Programs: the children of a pinned prefix have all been admitted (or the program ended)."""
-    pool: str
-    keys: list[str]
-
-
-class RadixDemote(Msg):
-    """Programs: a lost select choice or a discarded branch. The cached pages of `token_ids` past
-    its first `keep` tokens (and not shared with another path) become the first to evict."""
-    pool: str
-    namespace: str
-    token_ids: list[int]
-    keep: int = 0
+class CacheHints(Msg):
+    """Scheduler -> executor (programs): unpin fork points whose children are admitted, demote lost
+    branches. They ride the executor's next RadixStep, after the releases that made the pins."""
+    unpins: list[str] = []
+    demotes: list[Demote] = []
 
 
 # ---------------------------------------------------------------- metrics

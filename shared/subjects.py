@@ -17,12 +17,11 @@
     rf.radix.pool.<id>.step        req/reply      RadixStep -> RadixStepReply (one per executor step)
     rf.radix.place                 req/reply      RadixPlace -> RadixPlaceReply (cache-aware placement)
     rf.radix.flush                 req/reply      RadixFlush -> RadixFlushed
-    rf.radix.unpin                 publish        RadixUnpin (programs: a pinned fork point is no longer needed)
-    rf.radix.demote                publish        RadixDemote (programs: a lost branch is evicted first)
     rf.metrics                     scatter/gather StatusRequest -> MetricsReply from every instance
     rf.memory                      scatter/gather StatusRequest -> MemoryReply from every executor
     rf.executor.<id>.submit        req/reply      ExecRequest -> ExecAccepted | ErrorReply
     rf.executor.<id>.abort         publish        AbortRequest
+    rf.executor.<id>.hints         publish        CacheHints (programs: unpin fork points, demote lost branches)
     rf.scheduler.<id>.output       publish        StepOutput (executor -> the scheduler that submitted)
     rf.<service>.status            req/reply      StatusRequest -> StatusReply (any one instance answers)
     rf.heartbeat.<service>         publish        Heartbeat
@@ -44,8 +43,6 @@ GRAMMAR_FETCH = "rf.grammar.fetch"
 RADIX_REGISTER = "rf.radix.register"
 RADIX_PLACE = "rf.radix.place"
 RADIX_FLUSH = "rf.radix.flush"
-RADIX_UNPIN = "rf.radix.unpin"
-RADIX_DEMOTE = "rf.radix.demote"
 METRICS = "rf.metrics"
 MEMORY = "rf.memory"
 
@@ -68,6 +65,10 @@ def executor_submit(instance: str) -> str:
 
 def executor_abort(instance: str) -> str:
     return f"rf.executor.{instance}.abort"
+
+
+def executor_hints(instance: str) -> str:
+    return f"rf.executor.{instance}.hints"
 
 
 def scheduler_output(instance: str) -> str:

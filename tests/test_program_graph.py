@@ -9,7 +9,7 @@ from radixflow.services.radix.pool import PagePool
 from radixflow.services.scheduler.graph import Limits, ProgramGraph
 from radixflow.services.scheduler.policy import SPECULATIVE_PRIORITY, ProgramPolicy
 from radixflow.shared.errors import BadRequest
-from radixflow.shared.messages import Candidate, ProgramNode, RadixDemote, RadixStep, Release
+from radixflow.shared.messages import Candidate, Demote, ProgramNode, RadixStep, Release
 
 
 def nodes(*specs: dict) -> list[ProgramNode]:
@@ -196,7 +196,8 @@ def test_discarded_and_demoted_pages_are_evicted_first():
     assert len(pool.tree.sequences("ns")) == 1
     admit(pool, "c", shared + [70, 71, 72, 73])        # more recent than a ...
     finish(pool, "c", 12)
-    pool.demote(RadixDemote(pool="p", namespace="ns", token_ids=shared + [70, 71, 72, 73], keep=8))
+    pool.step(RadixStep(pool="p", budget=0, max_admit=0, demotes=[Demote(namespace="ns",
+                                                                         token_ids=shared + [70, 71, 72, 73], keep=8)]))
     ev = pool.tree.evict(1)                            # ... but demoted: it goes first, the shared prefix stays
     [(toks, _)] = [s for s in pool.tree.sequences("ns")]
     assert len(ev.pages) == 1 and toks == tuple(shared + [50, 51, 52, 53])

@@ -86,6 +86,16 @@ def pool(st):
     return next(iter(st.actors["radix"].pools.values()))
 
 
+async def settled(st, key: str, value) -> dict:
+    """Pool stats once `key` reaches `value`: unpins and aborts reach radix with the executor's next step."""
+    for _ in range(100):
+        stats = pool(st).stats()
+        if stats[key] == value:
+            break
+        await asyncio.sleep(0.02)
+    return stats
+
+
 def computed(res: dict) -> int:
     return sum(v["meta_info"]["prompt_tokens"] - v["meta_info"]["cached_tokens"] for v in res["nodes"].values())
 
@@ -109,7 +119,7 @@ async def test_fanout_computes_the_parent_once_and_outputs_validate(dense):
         assert q["meta_info"]["cached_tokens"] == len(PRE)          # the parent's KV existed before its prefill
         jsonschema.validate(json.loads(q["output"]), SCHEMA)
     assert computed(res) == len(PRE) + sum(len(s) for s in SUFS)
-    assert p.stats()["pins"] == 0                                   # released once the children were admitted
+    assert (await settled(dense, "pins", 0))["pins"] == 0           # released once the children were admitted
 
 
 async def test_hybrid_children_resume_at_the_fork_point(hybrid):
@@ -150,7 +160,7 @@ async def test_pinned_parent_survives_eviction_while_children_wait(models):
         assert done["event"] == "done" and done["state"] == "finished"
         assert seen["pinned"] == len(PRE) // 16 and seen["evicted"] > 0     # pressure was real, the pin held
         assert done["nodes"]["child"]["meta_info"]["cached_tokens"] == len(PRE)
-        stats = pool(st).stats()
+        stats = await settled(st, "pins", 0)
         assert stats["pins"] == 0 and stats["kv_pages_pinned"] == 0
         assert stats["kv_pages_evictable"] == stats["kv_pages_cached"]       # evictable again after
     finally:
@@ -177,11 +187,7 @@ async def test_cancel_a_node_ends_it_and_its_dependents_and_frees_pages(dense):
     assert by_id["after_long"]["error"]["message"] == "dependency 'long' was cancelled"
     done = evs[-2]
     assert done["nodes"]["other"]["state"] == "done" and done["nodes"]["long"]["meta_info"]["completion_tokens"] < 3000
-    for _ in range(50):                       # the executor's abort reaches radix on its next step
-        if pool(dense).stats()["requests_held"] == 0:
-            break
-        await asyncio.sleep(0.05)
-    stats = pool(dense).stats()
+    stats = await settled(dense, "requests_held", 0)
     assert stats["requests_held"] == 0 and stats["kv_pages_private"] == 0
     async with dense.http.get(f"{dense.base}/v1/programs/{done['id']}") as r:
         assert r.status == 200 and (await r.json())["state"] == "finished"

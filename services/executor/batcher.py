@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from radixflow.shared.messages import Candidate, Grant, Progress, RadixStep, Release
+from radixflow.shared.messages import Candidate, Demote, Grant, Progress, RadixStep, Release
 
 from .sequence import Sequence, Status
 
@@ -39,6 +39,8 @@ class Batcher:
         self.running: list[Sequence] = []
         self.progress: list[Progress] = []
         self.releases: list[Release] = []
+        self.unpins: list[str] = []          # programs' cache hints, sent after the releases that pinned
+        self.demotes: list[Demote] = []
         self._retry = False      # something changed since the last deferral: worth asking again
 
     def add(self, seq: Sequence) -> None:
@@ -46,7 +48,8 @@ class Batcher:
         self._retry = True
 
     def has_work(self) -> bool:
-        return bool(self.running or self.progress or self.releases or (self.waiting and self._retry))
+        return bool(self.running or self.progress or self.releases or self.unpins or self.demotes
+                    or (self.waiting and self._retry))
 
     # ------------------------------------------------------------ the radix exchange
 
@@ -65,12 +68,13 @@ class Batcher:
                                        reserve=s.sampling.max_new_tokens, checkpoint_at=s.checkpoint_at,
                                        priority=s.priority,
                                        max_cached=max(s.logprob_start - 1, 0) if s.logprob_start >= 0 else -1))
-        if not (cands or self.progress or self.releases):
+        if not (cands or self.progress or self.releases or self.unpins or self.demotes):
             return None
         busy = sum(s.prompt_len - s.computed_len for s in self.running if s.computed_len < s.prompt_len)
         msg = RadixStep(pool=self.pool, budget=max(self.max_prefill_tokens - busy, 0), max_admit=slots,
-                        candidates=cands, progress=self.progress, releases=self.releases)
-        self.progress, self.releases = [], []
+                        candidates=cands, progress=self.progress, releases=self.releases, unpins=self.unpins,
+                        demotes=self.demotes)
+        self.progress, self.releases, self.unpins, self.demotes = [], [], [], []
         return msg
 
     def apply(self, grants: list[Grant], retry: bool) -> list[Sequence]:
@@ -127,4 +131,6 @@ class Batcher:
         self.waiting.clear()
         self.progress.clear()
         self.releases.clear()
+        self.unpins.clear()
+        self.demotes.clear()
         return lost

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from radixflow.shared.errors import BadRequest, NotFound, RadixflowError
-from radixflow.shared.messages import ExecRequest, Progress, RadixRegister, SeqOutput
+from radixflow.shared.messages import CacheHints, ExecRequest, Progress, RadixRegister, SeqOutput
 
 from radixflow.services.radix.pool import pages_for
 from .batcher import Batcher, Plan
@@ -72,6 +72,7 @@ class Engine:
         self._new: list[Sequence] = []
         self._aborts: set[str] = set()
         self._discards: set[str] = set()
+        self._hints: list[CacheHints] = []
         self._live: dict[str, Sequence] = {}
         self._last_arrival = 0.0
         self.steps = 0
@@ -117,9 +118,14 @@ class Engine:
             if discard:
                 self._discards.update(rids)
 
+    def hint(self, h: CacheHints) -> None:
+        """Programs' cache hints (unpin, demote): passed to radix with the next step's exchange."""
+        with self._lock:
+            self._hints.append(h)
+
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._new or self._aborts or self.batcher.has_work())
+            return bool(self._new or self._aborts or self._hints or self.batcher.has_work())
 
     @property
     def num_running(self) -> int:
@@ -167,10 +173,14 @@ class Engine:
             new, self._new = self._new, []
             aborts, self._aborts = self._aborts, set()
             discards, self._discards = self._discards, set()
+            hints, self._hints = self._hints, []
             for s in new:
                 self._live[s.rid] = s
         for s in new:
             self.batcher.add(s)
+        for h in hints:
+            self.batcher.unpins += h.unpins
+            self.batcher.demotes += h.demotes
         outs = []
         for rid in aborts:
             seq = self._live.get(rid)

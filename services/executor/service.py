@@ -23,7 +23,7 @@ from radixflow.shared import subjects
 from radixflow.shared.actor import Actor
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import ExecutorConfig, ServiceConfig
-from radixflow.shared.messages import (AbortRequest, ExecAccepted, ExecRequest, ExecutorInfo, Heartbeat, MemoryReply,
+from radixflow.shared.messages import (AbortRequest, CacheHints, ExecAccepted, ExecRequest, ExecutorInfo, Heartbeat, MemoryReply,
                                        Sample, SeqOutput, StatusRequest, StepOutput)
 
 from .engine import Engine, EngineConfig
@@ -47,6 +47,7 @@ class ExecutorService(Actor):
         self.model_name = config.served_model_name or os.path.basename(os.path.normpath(config.model))
         self.route(subjects.executor_submit(self.instance), ExecRequest, self.submit)
         self.route(subjects.executor_abort(self.instance), AbortRequest, self.abort)
+        self.route(subjects.executor_hints(self.instance), CacheHints, self.hints)
         self.route(subjects.heartbeat("scheduler"), Heartbeat, self.on_scheduler_heartbeat)
         self.route(subjects.MEMORY, StatusRequest, self.memory)
         self._owner: dict[str, str] = {}            # rid -> output subject (its scheduler)
@@ -96,6 +97,10 @@ class ExecutorService(Actor):
 
     async def abort(self, req: AbortRequest) -> None:
         self.engine.abort(req.rids, req.discard)
+        self._wake.set()
+
+    async def hints(self, req: CacheHints) -> None:
+        self.engine.hint(req)
         self._wake.set()
 
     async def _compute_loop(self) -> None:

@@ -30,7 +30,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from radixflow.shared.messages import (Candidate, Deferred, Grant, Progress, RadixDemote, RadixStep, RadixStepReply,
+from radixflow.shared.messages import (Candidate, Deferred, Demote, Grant, Progress, RadixStep, RadixStepReply,
                                        Release)
 
 from .tree import Evicted, Node, RadixTree
@@ -117,6 +117,9 @@ class PagePool:
             self.release(r)
         for p in msg.progress:
             self.progress(p)
+        self.unpin(msg.unpins)
+        for d in msg.demotes:
+            self.demote(d)
         grants, deferred = self.admit(msg.candidates, msg.budget, msg.max_admit)
         return RadixStepReply(grants=grants, deferred=deferred, free_pages=self.free_pages,
                               evictable_pages=self.tree.evictable_pages)
@@ -304,7 +307,7 @@ class PagePool:
         self.unpin(gone)
         return gone
 
-    def demote(self, d: RadixDemote) -> int:
+    def demote(self, d: Demote) -> int:
         if not self.cache:
             return 0
         m = self.tree.match(d.namespace, d.token_ids, split=False)

@@ -13,8 +13,8 @@ from radixflow.shared.actor import Actor
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import ServiceConfig
 from radixflow.shared.errors import BadRequest, NotFound
-from radixflow.shared.messages import (Heartbeat, RadixDemote, RadixFlush, RadixFlushed, RadixPlace, RadixPlaceReply,
-                                       RadixRegister, RadixRegistered, RadixStep, RadixStepReply, RadixUnpin, Sample)
+from radixflow.shared.messages import (Heartbeat, RadixFlush, RadixFlushed, RadixPlace, RadixPlaceReply, RadixRegister,
+                                       RadixRegistered, RadixStep, RadixStepReply, Sample)
 
 from .pool import PagePool
 
@@ -32,8 +32,6 @@ class RadixService(Actor):
         self.route(subjects.radix_step("*"), RadixStep, self.step)
         self.route(subjects.RADIX_FLUSH, RadixFlush, self.flush)
         self.route(subjects.RADIX_PLACE, RadixPlace, self.place)
-        self.route(subjects.RADIX_UNPIN, RadixUnpin, self.unpin)
-        self.route(subjects.RADIX_DEMOTE, RadixDemote, self.demote)
         self.route(subjects.heartbeat("executor"), Heartbeat, self.on_executor)
 
     async def on_start(self) -> None:
@@ -63,16 +61,6 @@ class RadixService(Actor):
     async def place(self, req: RadixPlace) -> RadixPlaceReply:
         return RadixPlaceReply(cached_tokens={p: self.pools[p].match_len(req.namespace, req.token_ids)
                                               for p in req.pools if p in self.pools})
-
-    async def unpin(self, req: RadixUnpin) -> None:
-        pool = self.pools.get(req.pool)
-        if pool is not None:
-            pool.unpin(req.keys)
-
-    async def demote(self, req: RadixDemote) -> None:
-        pool = self.pools.get(req.pool)
-        if pool is not None:
-            pool.demote(req)
 
     async def on_executor(self, hb: Heartbeat) -> None:
         if hb.instance in self.pools:

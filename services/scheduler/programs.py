@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING
 
 from radixflow.shared import subjects
 from radixflow.shared.errors import BadRequest, NotFound, RadixflowError
-from radixflow.shared.messages import (AbortRequest, ExecRequest, ProgramAccepted, ProgramEvent, ProgramInfo,
-                                       ProgramQuery, ProgramRequest, RadixDemote, RadixUnpin, Sample, StreamChunk,
-                                       StreamError)
+from radixflow.shared.messages import (AbortRequest, CacheHints, Demote, ExecRequest, ProgramAccepted, ProgramEvent,
+                                       ProgramInfo, ProgramQuery, ProgramRequest, Sample, StreamChunk, StreamError)
 
 from .graph import Limits, Node, ProgramGraph, constraint_of
 from .policy import Job, ProgramPolicy
@@ -254,21 +253,20 @@ class ProgramDriver:
         n.prompt_tokens = sum(p for _, p, _ in got.values())
         n.cached_tokens = sum(c for _, _, c in got.values())
         n.finish_reason = "stop"
-        pins = run.pins.get(n.id, [])
+        # the losing choices and the speculative branches they named are evicted first (their pins
+        # go before the demotion, or the lock would stop it)
         losers = [i for i in range(len(ids)) if i != winner]
-        for i in losers:
-            pool = n.executor
-            await self._publish(subjects.RADIX_DEMOTE, RadixDemote(pool=pool, namespace=run.namespace,
-                                                                   token_ids=n.prompt_ids + ids[i], keep=len(n.prompt_ids)))
         lost_keys = {f"{run.id}/{n.id}#{i}" for i in losers}
-        await self._unpin_keys([p for p in pins if p[1] in lost_keys])
+        pins = run.pins.get(n.id, [])
         run.pins[n.id] = [p for p in pins if p[1] not in lost_keys]
+        await self._hint(n.executor, unpins=[k for _, k in pins if k in lost_keys], demotes=[
+            Demote(namespace=run.namespace, token_ids=n.prompt_ids + ids[i], keep=len(n.prompt_ids)) for i in losers])
         for b in self.policy.discarded_branches(run.graph, n, winner):
             b.discarded = True
             await self._emit(run, ProgramEvent(program=run.id, seq=0, kind="discarded", node=b.id,
                                                result=run.graph.result(b)))
-            await self._publish(subjects.RADIX_DEMOTE, RadixDemote(
-                pool=b.executor, namespace=run.namespace, token_ids=b.full_ids, keep=len(run.graph.prefix_ids(b))))
+            await self._hint(b.executor, demotes=[Demote(namespace=run.namespace, token_ids=b.full_ids,
+                                                         keep=len(run.graph.prefix_ids(b)))])
 
     async def _node_done(self, run: ProgramRun, n: Node) -> None:
         n.state, n.admitted = "done", True
@@ -315,7 +313,13 @@ class ProgramDriver:
         for pool, key in pins:
             by_pool.setdefault(pool, []).append(key)
         for pool, keys in by_pool.items():
-            await self._publish(subjects.RADIX_UNPIN, RadixUnpin(pool=pool, keys=keys))
+            await self._hint(pool, unpins=keys)
+
+    async def _hint(self, executor: str, unpins: list[str] = (), demotes: list[Demote] = ()) -> None:
+        """Through the executor, so they reach radix after the releases that made the pins."""
+        if executor and (unpins or demotes):
+            await self._publish(subjects.executor_hints(executor), CacheHints(unpins=list(unpins),
+                                                                             demotes=list(demotes)))
 
     # ------------------------------------------------------------ the end, cancel, deadline
 
