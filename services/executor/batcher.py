@@ -42,6 +42,7 @@ class Batcher:
         self.unpins: list[str] = []          # programs' cache hints, sent after the releases that pinned
         self.demotes: list[Demote] = []
         self._retry = False      # something changed since the last deferral: worth asking again
+        self._unasked = False    # the last message left waiting requests out (its size cap): ask again
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -68,6 +69,7 @@ class Batcher:
                                        reserve=s.sampling.max_new_tokens, checkpoint_at=s.checkpoint_at,
                                        priority=s.priority,
                                        max_cached=max(s.logprob_start - 1, 0) if s.logprob_start >= 0 else -1))
+        self._unasked = bool(cands) and len(cands) < min(len(self.waiting), slots)
         if not (cands or self.progress or self.releases or self.unpins or self.demotes):
             return None
         busy = sum(s.prompt_len - s.computed_len for s in self.running if s.computed_len < s.prompt_len)
@@ -89,7 +91,7 @@ class Batcher:
             seq.status = Status.RUNNING
             self.running.append(seq)
             started.append(seq)
-        self._retry = retry
+        self._retry = retry or self._unasked
         return started
 
     # ------------------------------------------------------------ planning

@@ -26,6 +26,7 @@ sharing, the baseline every cache claim is measured against.
 """
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -61,7 +62,11 @@ class PagePool:
         self.page_size = page_size
         self.cache = cache
         self.tree = RadixTree(page_size)
-        self._free = list(range(num_pages - 1, -1, -1))
+        # a min-heap: allocation takes the lowest free pages, so a request's fresh pages (and a
+        # prefix it caches) form contiguous runs when memory allows, which the executor reads as
+        # views instead of gathering them (runner.shared_prefixes: measured 22 vs 140 ms per
+        # decode step of 40 hybrid sequences sharing a 3,000-token prefix)
+        self._free = list(range(num_pages))
         self.num_state_slots = num_state_slots
         self.hybrid = num_state_slots > 0
         self.interval = checkpoint_interval // page_size * page_size
@@ -86,7 +91,7 @@ class PagePool:
         return self.num_pages - self.free_pages - self.tree.cached_pages
 
     def _freed(self, ev: Evicted) -> None:
-        self._free.extend(ev.pages)
+        self._release_pages(ev.pages)
         self._free_states.extend(ev.states)
         self.counters["evicted_pages_total"] += len(ev.pages)
         self.counters["evicted_states_total"] += len(ev.states)
@@ -96,7 +101,7 @@ class PagePool:
             self._freed(self.tree.evict(n - len(self._free)))
         if n > len(self._free):
             return None
-        return [self._free.pop() for _ in range(n)]
+        return [heapq.heappop(self._free) for _ in range(n)]
 
     def _alloc_states(self, n: int) -> list[int] | None:
         if n > len(self._free_states):
@@ -108,7 +113,8 @@ class PagePool:
         return [self._free_states.pop() for _ in range(n)]
 
     def _release_pages(self, pages: list[int]) -> None:
-        self._free.extend(pages)
+        for p in pages:
+            heapq.heappush(self._free, p)
 
     # ------------------------------------------------------------ the step protocol
 
