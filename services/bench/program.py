@@ -158,7 +158,7 @@ def _tree(model: str, question: str) -> dict:
             "levels": levels, "page_size": page}
 
 
-def run_program(models: list[str], preamble: int, suffix: int, n: int, max_tokens: int, repeats: int = 2) -> dict:
+def run_program(models: list[str], preamble: int, suffix: int, n: int, max_tokens: int, repeats: int = 3) -> dict:
     out = {"workload": {"preamble": preamble, "suffix": suffix, "children": n, "max_tokens": max_tokens,
                         "schema": SCHEMA, "repeats": repeats}}
     question = "Question: how should a serving runtime share a long prompt between forty agent calls? " * 8
