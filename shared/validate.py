@@ -4,7 +4,9 @@ from __future__ import annotations
 import math
 
 from .errors import BadRequest
-from .messages import GenerateRequest, SamplingParams
+import json
+
+from .messages import Constraint, GenerateRequest, SamplingParams
 
 MAX_STOPS = 16
 MAX_STOP_LEN = 256
@@ -28,6 +30,17 @@ def check_sampling(p: SamplingParams) -> None:
             raise BadRequest(f"stop strings must be 1..{MAX_STOP_LEN} characters", param="stop")
     if any(t < 0 for t in p.stop_token_ids):
         raise BadRequest("stop_token_ids must be non-negative", param="stop_token_ids")
+
+
+def one_constraint(json_schema: str | None = None, regex: str | None = None, ebnf: str | None = None,
+                   choice: list[str] | None = None, param: str = "sampling_params") -> Constraint | None:
+    """The structured-output constraint among these (SGLang's names), or None; more than one is a 400."""
+    found = [Constraint(kind=k, spec=v) for k, v in (("json_schema", json_schema), ("regex", regex), ("ebnf", ebnf),
+                                                     ("choice", None if choice is None else json.dumps(choice)))
+             if v is not None]
+    if len(found) > 1:
+        raise BadRequest("give at most one structured-output constraint", param=param)
+    return found[0] if found else None
 
 
 def check_request(r: GenerateRequest) -> None:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from radixflow.kernels.attention import (SharedPrefix, cascade_decode, cascade_prefill, decode_attention, merge,
-                                         prefill_attention, write_kv)
+                                         prefill_attention)
 from radixflow.kernels.attention.cascade import _attend_flash, _attend_ref
 from radixflow.services.executor.runner import shared_prefixes
 

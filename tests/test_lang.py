@@ -12,7 +12,7 @@ import pytest
 from radixflow.lang import NatsRuntime, ProgramResult, Runtime, function, gen, select
 from radixflow.lang.eager import EagerState
 
-from .test_programs_e2e import start, stop
+from .stacks import start, stop
 
 README = os.path.join(os.path.dirname(__file__), "..", "README.md")
 SCHEMA = {"type": "object", "properties": {"tool": {"type": "string", "enum": ["search", "calc", "none"]},

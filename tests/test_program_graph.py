@@ -50,7 +50,7 @@ def bad(*specs: dict, **limits) -> str:
     ([{"id": "a b", "text": "x"}], "'a b': ids are"),
     ([{"id": "a", "text": "x", "gen": {"max_tokens": 0}}], "'a': gen.max_tokens must be at least 1"),
     ([{"id": "a", "text": "x", "gen": {"temperature": -1}}], "'a': gen: temperature"),
-    ([{"id": "a", "text": "x", "gen": {"regex": "a", "json_schema": {"type": "string"}}}], "'a': gen: give at most one"),
+    ([{"id": "a", "text": "x", "gen": {"regex": "a", "json_schema": {"type": "string"}}}], "'a': gen: give at most one structured-output constraint"),
     ([{"id": "a", "text": "x", "select": {"choices": []}}], "'a': select needs 1 to"),
     ([{"id": "a", "text": "x", "input_ids": [1]}], "'a': give text or input_ids"),
     ([{"id": "a", "input_ids": [1, 200]}], "'a': token ids must be < the vocabulary size 100"),

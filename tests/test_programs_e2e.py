@@ -7,17 +7,16 @@ import asyncio
 import json
 import random
 
-import aiohttp
 import jsonschema
 import pytest
 
-from radixflow.services.stack import Stack, stack_config
 from radixflow.shared import subjects
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import BusConfig
-from radixflow.shared.natsd import NatsServer
 from radixflow.shared.messages import (NodeGen, ProgramAccepted, ProgramEvent, ProgramInfo, ProgramNode, ProgramQuery,
                                        ProgramRequest)
+
+from .stacks import start, stop
 
 SCHEMA = {"type": "object", "properties": {"tool": {"type": "string", "enum": ["search", "calc", "none"]},
                                            "arg": {"type": "string", "maxLength": 12}},
@@ -25,27 +24,6 @@ SCHEMA = {"type": "object", "properties": {"tool": {"type": "string", "enum": ["
 rng = random.Random(11)
 PRE = [rng.randint(300, 3999) for _ in range(640)]            # 40 pages of 16: the fork point is on a boundary
 SUFS = [[rng.randint(300, 3999) for _ in range(37)] for _ in range(6)]
-
-
-async def start(model, **over):
-    """A stack on its own nats-server: two radix services on one bus would both answer every pool."""
-    nats = NatsServer().start()
-    st = await Stack(stack_config(nats.url, model, gw_port=0, **over)).start()
-    st.nats = nats
-    st.base = f"http://127.0.0.1:{st.actors['gateway'].port}"
-    st.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
-    for _ in range(200):
-        async with st.http.get(st.base + "/health") as r:
-            if r.status == 200:
-                break
-        await asyncio.sleep(0.1)
-    return st
-
-
-async def stop(st):
-    await st.http.close()
-    await st.stop()
-    st.nats.stop()
 
 
 @pytest.fixture(scope="module")

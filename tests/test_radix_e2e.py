@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 import random
 
-import aiohttp
 import pytest
 
-from radixflow.services.stack import Stack, stack_config
-from radixflow.shared.natsd import NatsServer
+from . import stacks
+from .stacks import stop
 
 rng = random.Random(3)
 PRE = [rng.randint(300, 3999) for _ in range(600)]
@@ -18,22 +17,7 @@ LONG = [[rng.randint(300, 3999) for _ in range(300)] for _ in range(10)]
 
 
 async def start(models, **over):
-    nats = NatsServer().start()
-    st = await Stack(stack_config(nats.url, models["tiny-dense"], gw_port=0, **over)).start()
-    st.nats, st.base = nats, f"http://127.0.0.1:{st.actors['gateway'].port}"
-    st.http = aiohttp.ClientSession()
-    for _ in range(100):
-        async with st.http.get(st.base + "/health") as r:
-            if r.status == 200:
-                break
-        await asyncio.sleep(0.1)
-    return st
-
-
-async def stop(st):
-    await st.http.close()
-    await st.stop()
-    st.nats.stop()
+    return await stacks.start(models["tiny-dense"], **over)
 
 
 async def gen(st, ids, **extra):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -74,40 +74,35 @@ class EngineClient:
                 if last is not None and now - last > self.scheduler_timeout_s:
                     stream.fail(ServiceUnavailable(f"scheduler {sched} stopped responding; request {rid} was lost"))
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[Accepted | StreamChunk]:
+    def generate(self, req: GenerateRequest) -> AsyncIterator[Accepted | StreamChunk]:
         """Yield Accepted, then every StreamChunk; a StreamError raises its typed error.
         Leaving early (client gone) aborts the request."""
-        done = False
-        async with self.bus.open_stream(idle_timeout_s=self.request_timeout_s) as stream:
-            req.stream_subject = stream.subject
-            acc = await self.bus.request(subjects.SCHEDULER_SUBMIT, req, Accepted, timeout=60)
-            self._streams[req.rid] = (acc.scheduler, stream)
-            self._schedulers.setdefault(acc.scheduler, time.monotonic())
-            try:
-                yield acc
-                async for item in stream:
-                    if isinstance(item, StreamError):
-                        done = True
-                        raise from_reply(ErrorReply(code=item.code, kind=item.kind, message=item.message))
-                    done = item.finished
-                    yield item
-            finally:
-                self._streams.pop(req.rid, None)
-                if not done:
-                    await self._abort(req.rid)
+        return self._submit(subjects.SCHEDULER_SUBMIT, req, Accepted, req.rid, 60, lambda: self._abort(req.rid))
 
-    async def program(self, req: ProgramRequest) -> AsyncIterator[ProgramAccepted | ProgramEvent]:
+    def program(self, req: ProgramRequest) -> AsyncIterator[ProgramAccepted | ProgramEvent]:
         """Yield ProgramAccepted, then every ProgramEvent up to the terminal one. Leaving early
         (client gone) cancels the program."""
+        async def cancel() -> None:
+            try:
+                await self.program_op("cancel", ProgramQuery(id=req.id, tenant=req.tenant))
+            except RadixflowError:
+                pass
+        return self._submit(subjects.SCHEDULER_PROGRAM, req, ProgramAccepted, req.id, 120, cancel)
+
+    async def _submit(self, subject: str, req, accepted: type, key: str, timeout: float,
+                      abandon: Callable[[], Awaitable[None]]) -> AsyncIterator:
+        """Subscribe the stream inbox, submit (accepted or refused fast), then read the stream to
+        its terminal item; the owning scheduler is watched while it runs."""
         done = False
         async with self.bus.open_stream(idle_timeout_s=self.request_timeout_s) as stream:
             req.stream_subject = stream.subject
-            acc = await self.bus.request(subjects.SCHEDULER_PROGRAM, req, ProgramAccepted, timeout=120)
-            self._streams[req.id] = (acc.scheduler, stream)
+            acc = await self.bus.request(subject, req, accepted, timeout=timeout)
+            self._streams[key] = (acc.scheduler, stream)
             self._schedulers.setdefault(acc.scheduler, time.monotonic())
-            self._owners[req.id] = acc.scheduler
-            while len(self._owners) > KEEP_OWNERS:
-                self._owners.pop(next(iter(self._owners)))
+            if isinstance(acc, ProgramAccepted):
+                self._owners[key] = acc.scheduler
+                while len(self._owners) > KEEP_OWNERS:
+                    self._owners.pop(next(iter(self._owners)))
             try:
                 yield acc
                 async for item in stream:
@@ -117,12 +112,9 @@ class EngineClient:
                     done = item.finished
                     yield item
             finally:
-                self._streams.pop(req.id, None)
+                self._streams.pop(key, None)
                 if not done:
-                    try:
-                        await self.program_op("cancel", ProgramQuery(id=req.id, tenant=req.tenant))
-                    except RadixflowError:
-                        pass
+                    await abandon()
 
     async def program_op(self, op: str, q: ProgramQuery) -> ProgramInfo:
         """GET or cancel a program at its scheduler (known when this gateway submitted it), else ask

@@ -9,6 +9,7 @@ import msgspec
 
 from radixflow.shared.errors import BadRequest
 from radixflow.shared.messages import ChatMessage, Constraint, SamplingParams
+from radixflow.shared.validate import one_constraint
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -168,16 +169,7 @@ def _one(found: list[Constraint], param: str) -> Constraint | None:
 
 
 def native_constraint(s: NativeSampling) -> Constraint | None:
-    found = []
-    if s.json_schema is not None:
-        found.append(Constraint(kind="json_schema", spec=s.json_schema))
-    if s.regex is not None:
-        found.append(Constraint(kind="regex", spec=s.regex))
-    if s.ebnf is not None:
-        found.append(Constraint(kind="ebnf", spec=s.ebnf))
-    if s.choice is not None:
-        found.append(Constraint(kind="choice", spec=json.dumps(s.choice)))
-    return _one(found, "sampling_params")
+    return one_constraint(s.json_schema, s.regex, s.ebnf, s.choice)
 
 
 def openai_constraint(b: _OpenAIBase) -> Constraint | None:

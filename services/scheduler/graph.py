@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from radixflow.shared.errors import BadRequest
 from radixflow.shared.messages import Constraint, NodeGen, NodeResult, ProgramNode, SamplingParams
-from radixflow.shared.validate import check_sampling
+from radixflow.shared.validate import check_sampling, one_constraint
 
 ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 REF = re.compile(r"\{([A-Za-z0-9_.:-]{1,64})\}")
@@ -96,19 +96,8 @@ def sampling_of(g: NodeGen) -> SamplingParams:
 
 
 def constraint_of(g: NodeGen) -> Constraint | None:
-    found = []
-    if g.json_schema is not None:
-        found.append(Constraint(kind="json_schema", spec=g.json_schema if isinstance(g.json_schema, str)
-                                else json.dumps(g.json_schema)))
-    if g.regex is not None:
-        found.append(Constraint(kind="regex", spec=g.regex))
-    if g.ebnf is not None:
-        found.append(Constraint(kind="ebnf", spec=g.ebnf))
-    if g.choices is not None:
-        found.append(Constraint(kind="choice", spec=json.dumps(g.choices)))
-    if len(found) > 1:
-        raise ValueError("give at most one of json_schema, regex, ebnf, choices")
-    return found[0] if found else None
+    schema = g.json_schema if g.json_schema is None or isinstance(g.json_schema, str) else json.dumps(g.json_schema)
+    return one_constraint(schema, g.regex, g.ebnf, g.choices, param="nodes")
 
 
 class ProgramGraph:
@@ -170,8 +159,8 @@ class ProgramGraph:
             try:
                 check_sampling(sampling_of(s.gen))
                 constraint_of(s.gen)
-            except (BadRequest, ValueError) as e:
-                raise _bad(s.id, f"gen: {getattr(e, 'message', e)}") from None
+            except BadRequest as e:
+                raise _bad(s.id, f"gen: {e.message}") from None
         if s.select is not None:
             ch = s.select.choices
             if not ch or len(ch) > self.limits.max_choices:
