@@ -187,6 +187,8 @@ class ExecRequest(Msg):
     pin: str = ""                     # programs: at release, keep the cached prefix locked under this key
     pin_ttl_s: float = 0.0            # ... at most this long (the program's deadline)
     logprob_start: int = -1           # >= 0: return the logprobs of prompt tokens from this position on
+    after: str = ""                   # programs: wait (unadmitted) while this request runs here; its
+                                      # release caches the prefix this one continues from
 
 
 class ExecAccepted(Msg):

@@ -218,3 +218,38 @@ def test_prompt_logprob_requests_recompute_from_max_cached():
     finish(pool, "p", 16)
     assert admit(pool, "free", prefix + [99]).cached_tokens == 16
     assert admit(pool, "lp", prefix + [98], max_cached=15).cached_tokens == 12
+
+
+# ---------------------------------------------------------------- the executor's batcher: children sent early
+
+def test_a_child_waits_at_the_executor_until_its_parents_release():
+    from radixflow.services.executor.batcher import Batcher
+    from radixflow.services.executor.sequence import Sequence
+    from radixflow.shared.messages import Grant, SamplingParams
+    b = Batcher(pool="p", max_running=8, max_prefill_tokens=1000)
+    seq = lambda rid, **kw: Sequence(rid=rid, tokens=list(range(40)), sampling=SamplingParams(max_new_tokens=0),
+                                     eos_ids=frozenset(), **kw)
+    parent, child, other = seq("prog/p"), seq("prog/c", after="prog/p"), seq("x")
+    for s in (parent, child, other):
+        b.add(s)
+    assert [c.rid for c in b.radix_message().candidates] == ["prog/p", "x"]     # the child is held
+    b.apply([Grant(rid="prog/p", cached_tokens=0, pages=[1, 2, 3])], retry=True)
+    assert [c.rid for c in b.radix_message().candidates] == ["x"]
+    parent.finish("length")
+    b.finish(parent)
+    msg = b.radix_message()
+    assert [r.rid for r in msg.releases] == ["prog/p"]                        # released, then ...
+    assert [c.rid for c in msg.candidates] == ["prog/c", "x"]                 # ... the child asks, same message
+
+
+def test_candidates_left_out_by_the_size_cap_are_asked_again():
+    from radixflow.services.executor.batcher import Batcher
+    from radixflow.services.executor.sequence import Sequence
+    from radixflow.shared.messages import SamplingParams
+    b = Batcher(pool="p", max_running=8, max_prefill_tokens=10_000, max_candidate_tokens=100)
+    for i in range(3):
+        b.add(Sequence(rid=f"r{i}", tokens=list(range(60)), sampling=SamplingParams(), eos_ids=frozenset()))
+    assert [c.rid for c in b.radix_message().candidates] == ["r0"]
+    b.apply([], retry=False)                       # nothing granted, nothing deferred for budget ...
+    assert [c.rid for c in b.radix_message().candidates] == ["r0"]   # ... still, the others wait to be asked
+    assert b.has_work()

@@ -19,7 +19,13 @@ from radixflow.shared.messages import Candidate, Demote, Grant, Progress, RadixS
 from .sequence import Sequence, Status
 
 
-MAX_CANDIDATE_TOKENS = 120_000   # about 360 KB of msgpack: far below the 1 MiB NATS default
+MAX_CANDIDATE_BYTES = 600_000    # the prompts of one RadixStep's candidates: well under NATS's 1 MiB default
+
+
+def candidate_tokens(vocab_size: int) -> int:
+    """Prompt tokens one RadixStep may carry: msgpack writes an id below 2**16 in 3 bytes, else 5.
+    (A burst cut by this cap is admitted over two steps.)"""
+    return MAX_CANDIDATE_BYTES // (3 if vocab_size <= 1 << 16 else 5)
 
 
 @dataclass
@@ -30,11 +36,13 @@ class Plan:
 
 
 class Batcher:
-    def __init__(self, *, pool: str, max_running: int, max_prefill_tokens: int, max_candidates: int = 128):
+    def __init__(self, *, pool: str, max_running: int, max_prefill_tokens: int, max_candidates: int = 128,
+                 max_candidate_tokens: int = candidate_tokens(1 << 17)):
         self.pool = pool
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
         self.max_candidates = max_candidates
+        self.max_candidate_tokens = max_candidate_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.progress: list[Progress] = []
@@ -58,18 +66,25 @@ class Batcher:
         """This step's one message to the page authority, or None when there is nothing to say."""
         cands = []
         slots = self.max_running - len(self.running)
+        held = 0
         if self._retry and slots > 0:
+            # a program's child waits while its parent runs here; the parent's release, earlier in
+            # the same message as the child's candidacy, caches the prefix the child continues from
+            live = {s.rid for s in self.running} | {s.rid for s in self.waiting}
             # the message carries every candidate's prompt: cap it well under NATS's max_payload
             tokens = 0
             for s in self.waiting:
-                if len(cands) >= self.max_candidates or (cands and tokens + len(s.tokens) > MAX_CANDIDATE_TOKENS):
+                if s.after and s.after in live:
+                    held += 1
+                    continue
+                if len(cands) >= self.max_candidates or (cands and tokens + len(s.tokens) > self.max_candidate_tokens):
                     break
                 tokens += len(s.tokens)
                 cands.append(Candidate(rid=s.rid, namespace=s.namespace, token_ids=s.tokens,
                                        reserve=s.sampling.max_new_tokens, checkpoint_at=s.checkpoint_at,
                                        priority=s.priority,
                                        max_cached=max(s.logprob_start - 1, 0) if s.logprob_start >= 0 else -1))
-        self._unasked = bool(cands) and len(cands) < min(len(self.waiting), slots)
+        self._unasked = bool(cands) and len(cands) < min(len(self.waiting) - held, slots)
         if not (cands or self.progress or self.releases or self.unpins or self.demotes):
             return None
         busy = sum(s.prompt_len - s.computed_len for s in self.running if s.computed_len < s.prompt_len)

@@ -18,7 +18,7 @@ from radixflow.shared.errors import BadRequest, NotFound, RadixflowError
 from radixflow.shared.messages import CacheHints, ExecRequest, Progress, RadixRegister, SeqOutput
 
 from radixflow.services.radix.pool import pages_for
-from .batcher import Batcher, Plan
+from .batcher import Batcher, Plan, candidate_tokens
 from .pages import LocalPages, PageAuthority
 from .runner import ModelRunner
 from .sequence import Sequence, Status
@@ -67,7 +67,8 @@ class Engine:
                                        checkpoint_interval=cfg.checkpoint_interval or cfg.max_prefill_tokens)
         self.pages.register(self._register)
         self.batcher = Batcher(pool=cfg.pool, max_running=cfg.max_running_requests,
-                               max_prefill_tokens=cfg.max_prefill_tokens)
+                               max_prefill_tokens=cfg.max_prefill_tokens,
+                               max_candidate_tokens=candidate_tokens(self.spec.vocab_size))
         self._lock = threading.Lock()
         self._new: list[Sequence] = []
         self._aborts: set[str] = set()
@@ -101,7 +102,8 @@ class Engine:
         seq = Sequence(rid=req.rid, tokens=list(req.input_ids), sampling=req.sampling,
                        eos_ids=frozenset(req.eos_token_ids), namespace=req.namespace,
                        output_subject=req.output_subject, checkpoint_at=list(req.checkpoint_at),
-                       priority=req.priority, pin=req.pin, pin_ttl_s=req.pin_ttl_s, logprob_start=req.logprob_start)
+                       priority=req.priority, pin=req.pin, pin_ttl_s=req.pin_ttl_s, logprob_start=req.logprob_start,
+                       after=req.after)
         if grammar is not None:
             import xgrammar as xgr
             seq.matcher = xgr.GrammarMatcher(grammar)

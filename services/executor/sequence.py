@@ -55,6 +55,7 @@ class Sequence:
     pin: str = ""                # programs: keep the cached prefix locked under this key at release
     pin_ttl_s: float = 0.0
     discard: bool = False        # cancelled branch: cache nothing more at release
+    after: str = ""              # programs: not admitted while this request is live here (its parent)
     logprob_start: int = -1      # >= 0: collect logprobs of prompt tokens from here on ...
     input_logprobs: list[float] = field(default_factory=list)   # ... in order
 

@@ -5,6 +5,9 @@ Plain decisions over a ProgramGraph; the service shell (programs.py) does the I/
 - a node with children is pinned: its cached prefix stays locked until they are all admitted, and
   (hybrid) its state is checkpointed exactly at the fork point, so each child resumes there;
 - a node without gen or select is prefill-only (max_new_tokens 0);
+- the children of a prefill-only parent need nothing from it but its prompt: they are sent with
+  it, held by the executor until its release has cached the prefix, and admitted in that same
+  exchange (no round trip through the scheduler between the parent and its children);
 - speculative nodes are admitted after everything else that waits;
 - select scores each choice by the mean logprob of its tokens after the node's prompt (SGLang's
   token-length-normalized default), from one prefill-only request per choice, all sent together;
@@ -32,6 +35,7 @@ class Job:
     checkpoint_at: list[int] = field(default_factory=list)
     logprob_start: int = -1
     choice: int = -1
+    after: str = ""                    # the request id of a running parent it waits for at the executor
 
 
 class ProgramPolicy:
@@ -48,6 +52,13 @@ class ProgramPolicy:
             return [Job("", prompt, prefill, prio, forks, [len(prompt)] if forks else [])]
         return [Job(f"#{i}", prompt + ids, prefill, prio, forks, [len(prompt) + len(ids)] if forks else [],
                     logprob_start=len(prompt), choice=i) for i, ids in enumerate(choice_ids or [])]
+
+    @staticmethod
+    def early_children(n: Node) -> list[Node]:
+        """Children that can go with prefill-only `n`: their prompt is known (no other dependency)."""
+        if n.kind != "prefill":
+            return []
+        return [c for c in n.children if c.state == "pending" and c.deps == [n.id] and c.own_ids is not None]
 
     @staticmethod
     def choose(logprobs: list[list[float]]) -> tuple[int, list[float]]:

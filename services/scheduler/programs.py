@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from radixflow.shared import subjects
@@ -139,7 +140,7 @@ class ProgramDriver:
         await asyncio.gather(*(self._start(run, n) for n in ready))
         await self._maybe_end(run)
 
-    async def _start(self, run: ProgramRun, n: Node) -> None:
+    async def _start(self, run: ProgramRun, n: Node, after: str = "") -> None:
         try:
             if n.own_ids is None:                    # a join: its text names outputs that now exist
                 n.text = run.graph.resolve(n)
@@ -151,7 +152,7 @@ class ProgramDriver:
                 if not all(choice_ids):
                     raise BadRequest("a select choice tokenizes to nothing", param="nodes")
                 run.choice_ids[n.id], run.choices[n.id] = choice_ids, {}
-            jobs = self.policy.jobs(run.graph, n, choice_ids)
+            jobs = [replace(j, after=after) for j in self.policy.jobs(run.graph, n, choice_ids)]
             if not jobs[0].input_ids:
                 raise BadRequest("the node's prompt is empty", param="nodes")
             ex = await self._executor(run, n, jobs[0].input_ids)
@@ -161,6 +162,10 @@ class ProgramDriver:
             ex.inflight += len(jobs)                 # now: placements made meanwhile see this load
             await self._emit(run, ProgramEvent(program=run.id, seq=0, kind="started", node=n.id))
             await asyncio.gather(*(self._send(run, n, job, ex) for job in jobs))
+            early = self.policy.early_children(n) if n.state == "running" else []
+            for c in early:
+                c.state = "running"
+            await asyncio.gather(*(self._start(run, c, after=run.rid(n, jobs[0])) for c in early))
         except RadixflowError as e:
             await self._node_failed(run, n, e.code, e.message)
         except Exception as e:   # a bug: the node fails with it, the program still ends
@@ -190,7 +195,8 @@ class ProgramDriver:
         remaining = max(run.deadline - time.monotonic(), 1.0)
         req = ExecRequest(rid=rid, input_ids=job.input_ids, sampling=job.sampling, namespace=run.namespace,
                           checkpoint_at=job.checkpoint_at, grammar_key=key, priority=job.priority,
-                          pin=rid if job.pin else "", pin_ttl_s=remaining + 5, logprob_start=job.logprob_start)
+                          pin=rid if job.pin else "", pin_ttl_s=remaining + 5, logprob_start=job.logprob_start,
+                          after=job.after)
         run.requests[rid] = (n, job)
         if job.pin:
             n.pinned = True
