@@ -1,0 +1,123 @@
+"""Executor <-> radix: page and state-slot grants, progress, releases, placement, program cache hints."""
+from __future__ import annotations
+
+from .base import Msg
+
+
+# ---------------------------------------------------------------- radix
+
+
+class RadixRegister(Msg):
+    """An executor announces its pool; the radix service becomes the authority over its KV pages
+    and (hybrid models) its state slots."""
+    pool: str
+    num_pages: int
+    page_size: int
+    cache: bool = True                # False: --disable-radix-cache (pages are never shared)
+    num_state_slots: int = 0          # > 0: a hybrid model; prefixes resume only from checkpoints
+    checkpoint_interval: int = 0      # also checkpoint long prefills every this many tokens (0: off)
+
+
+class RadixRegistered(Msg):
+    pool: str
+
+
+class Candidate(Msg):
+    """A waiting request the executor would like to start."""
+    rid: str
+    namespace: str
+    token_ids: list[int]
+    reserve: int                      # tokens beyond the prompt to reserve pages for (max_new_tokens)
+    checkpoint_at: list[int] = []     # hybrid: extra checkpoints asked for (the programs' fork points)
+    priority: int = 0                 # higher first; among equals, longest cached prefix first
+    max_cached: int = -1              # >= 0: reuse at most this many tokens (prompt logprobs need the rest)
+
+
+class Progress(Msg):
+    """The first `computed` tokens of a running request now have KV: cache them (prefill chunk done).
+    Hybrid: the planned checkpoints up to `computed` now hold their states."""
+    rid: str
+    computed: int
+
+
+class Release(Msg):
+    """A request ended: cache its computed tokens, unlock, free every page the tree does not keep."""
+    rid: str
+    output_ids: list[int] = []
+    computed: int = 0
+    tail: int = 0                     # hybrid: position whose state the tail slot holds (0: none)
+    pin: str = ""                     # keep the inserted prefix locked under this key (RadixUnpin frees it)
+    pin_ttl_s: float = 0.0            # ... for at most this long
+    discard: bool = False             # cancelled: cache nothing more; what it inserted is evicted first
+
+
+class Demote(Msg):
+    """Programs: a lost select choice. The cached pages of `token_ids` past its first `keep`
+    tokens (and not shared with another path) become the first to evict."""
+    namespace: str
+    token_ids: list[int]
+    keep: int = 0
+
+
+class RadixStep(Msg):
+    """Everything one executor step needs from the radix service, in one message, applied in this
+    order: releases, progress, unpins, demotes, then admission of the candidates."""
+    pool: str
+    budget: int                       # prefill tokens the step can still take
+    max_admit: int                    # free request slots
+    candidates: list[Candidate] = []
+    progress: list[Progress] = []
+    releases: list[Release] = []
+    unpins: list[str] = []            # programs: pins (Release.pin keys) no longer needed
+    demotes: list[Demote] = []
+
+
+class Grant(Msg):
+    rid: str
+    cached_tokens: int                # prompt tokens whose KV is reused (a multiple of page_size)
+    pages: list[int]                  # the request's page table: cached pages, then fresh ones
+    # hybrid models only
+    state_slot: int = -1              # the request's working state
+    restore_slot: int = -1            # copy this checkpoint into state_slot first (-1: start from zero)
+    tail_slot: int = -1               # decode copies the state here at every page boundary
+    checkpoints: list[int] = []       # prefill stops at these positions and copies the state ...
+    checkpoint_slots: list[int] = []  # ... into these slots
+
+
+class Deferred(Msg):
+    rid: str
+    cached_tokens: int
+    reason: str                       # memory | budget | slots | shared-prefix
+
+
+class RadixStepReply(Msg):
+    grants: list[Grant] = []
+    deferred: list[Deferred] = []
+    free_pages: int = 0
+    evictable_pages: int = 0
+
+
+class RadixFlush(Msg):
+    pool: str | None = None           # None: every pool
+
+
+class RadixFlushed(Msg):
+    freed_pages: int
+
+
+class RadixPlace(Msg):
+    """Which executor pool holds the longest prefix of `token_ids` in `namespace`."""
+    namespace: str
+    token_ids: list[int]
+    pools: list[str]
+
+
+class RadixPlaceReply(Msg):
+    cached_tokens: dict[str, int]     # pool -> tokens it would reuse
+
+
+class CacheHints(Msg):
+    """Scheduler -> executor (programs): unpin fork points whose children are admitted, demote lost
+    branches. They ride the executor's next RadixStep, after the releases that made the pins."""
+    unpins: list[str] = []
+    demotes: list[Demote] = []

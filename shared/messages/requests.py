@@ -1,0 +1,217 @@
+"""A request's path: gateway -> scheduler -> tokenizer, grammar -> executor, and its output stream."""
+from __future__ import annotations
+
+import msgspec
+
+from .base import Msg
+
+
+# ---------------------------------------------------------------- sampling
+
+
+class SamplingParams(Msg):
+    """What the executor needs to sample one request (SGLang's sampling_params, normalized)."""
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                   # -1 or 0: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+
+class ChatMessage(Msg):
+    role: str
+    content: str
+
+
+# ---------------------------------------------------------------- gateway -> scheduler
+
+
+class GenerateRequest(Msg):
+    """A request submitted to the scheduler. Exactly one of text / messages / input_ids is set.
+    Output arrives on `stream_subject` as StreamChunk / StreamError with sequence numbers."""
+    rid: str
+    stream_subject: str
+    text: str | None = None
+    messages: list[ChatMessage] | None = None
+    input_ids: list[int] | None = None
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    tenant: str = "default"
+    cache_salt: str | None = None
+    stream: bool = True               # False: one chunk at the end (no per-step detokenization)
+    constraint: Constraint | None = None
+
+
+class Accepted(Msg):
+    rid: str
+    prompt_tokens: int
+    executor: str
+    scheduler: str                    # the scheduler instance that owns the request's lifecycle
+
+
+class AbortRequest(Msg):
+    rids: list[str]
+    discard: bool = False             # programs: a cancelled branch; its pages become the first to evict
+
+
+class Usage(Msg):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class StreamChunk(Msg):
+    """One step of one request's output. The last chunk of a request has finished=True."""
+    rid: str
+    seq: int
+    text: str = ""
+    token_ids: list[int] = []
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort
+    matched_stop: int | str | None = None
+    usage: Usage | None = None        # set on the last chunk
+    input_logprobs: list[float] = []  # last chunk: logprobs of the prompt tokens from ExecRequest.logprob_start
+
+
+class StreamError(Msg):
+    """Terminal: the request failed after it was accepted."""
+    rid: str
+    seq: int
+    code: int
+    kind: str
+    message: str
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+class EncodeRequest(Msg):
+    """Exactly one of text / messages / texts (a batch of plain texts, answered in `batch`)."""
+    text: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    texts: list[str] | None = None
+
+
+class EncodeReply(Msg):
+    input_ids: list[int] = []
+    batch: list[list[int]] = []
+
+
+class DetokItem(Msg):
+    """Stateless incremental detokenization: `ids` are the request's output ids from
+    `prefix_offset` on; offsets are relative to the full output and are echoed back advanced."""
+    ids: list[int]
+    prefix_offset: int
+    read_offset: int
+    skip_special_tokens: bool = True
+    flush: bool = False               # the request's last call: release an incomplete trailing character
+
+
+class DetokenizeRequest(Msg):
+    items: list[DetokItem]
+
+
+class DetokResult(Msg):
+    text: str
+    prefix_offset: int
+    read_offset: int
+
+
+class DetokenizeReply(Msg):
+    items: list[DetokResult]
+
+
+class TokenizerInfo(Msg):
+    vocab_size: int
+    eos_token_ids: list[int]
+    identity: str
+
+
+# ---------------------------------------------------------------- scheduler -> executor
+
+
+class ExecRequest(Msg):
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: list[int] = []
+    namespace: str = "default"        # cache namespace: tenant plus optional cache_salt
+    output_subject: str = ""          # where the executor publishes StepOutput for this request
+    checkpoint_at: list[int] = []     # hybrid: also keep the state at these prompt positions (fork points)
+    grammar_key: str | None = None    # structured output: fetch the compiled grammar by this key
+    priority: int = 0                 # admission order among waiting requests (speculative branches: -1)
+    pin: str = ""                     # programs: at release, keep the cached prefix locked under this key
+    pin_ttl_s: float = 0.0            # ... at most this long (the program's deadline)
+    logprob_start: int = -1           # >= 0: return the logprobs of prompt tokens from this position on
+    after: str = ""                   # programs: wait (unadmitted) while this request runs here; its
+                                      # release caches the prefix this one continues from
+
+
+class ExecAccepted(Msg):
+    rid: str
+
+
+class SeqOutput(Msg):
+    rid: str
+    token_ids: list[int]              # new tokens of this step (possibly empty)
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error
+    matched_stop: int | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+    error_code: int = 500
+    input_logprobs: list[float] = []  # on the finished output, when ExecRequest.logprob_start >= 0
+
+
+class StepOutput(Msg):
+    """All outputs of one executor step for one scheduler: one message per step, never one per token."""
+    executor: str
+    step: int
+    outputs: list[SeqOutput]
+
+
+class ExecutorInfo(Msg):
+    """The `detail` of an executor's heartbeat."""
+    model: str
+    max_model_len: int
+    vocab_size: int
+    running: int
+    waiting: int
+    page_size: int = 16
+
+
+# ---------------------------------------------------------------- grammar
+
+
+class Constraint(Msg):
+    """Structured output: what the output must match."""
+    kind: str                         # json_schema | json_object | regex | ebnf | choice
+    spec: str = ""                    # the schema (JSON text), regex, EBNF grammar, or JSON list of choices
+
+
+class GrammarCompile(Msg):
+    kind: str                         # json_schema | json_object | regex | ebnf | choice
+    spec: str
+    tokenizer: str = ""               # TokenizerInfo identity the caller expects ("" : the service's own)
+
+
+class GrammarCompiled(Msg):
+    key: str                          # canonical spec + tokenizer identity + xgrammar version, hashed
+    compile_s: float = 0.0            # seconds this request spent compiling (0 on a cache hit)
+    cache_hit: bool = False
+    size: int = 0                     # bytes of the serialized compiled grammar
+
+
+class GrammarFetch(Msg):
+    key: str
+
+
+class GrammarBlob(Msg):
+    key: str
+    data: bytes                       # zlib-compressed CompiledGrammar.serialize_json()
