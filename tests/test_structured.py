@@ -7,31 +7,19 @@ import asyncio
 import json
 import re
 
-import aiohttp
 import pytest
 from jsonschema import Draft202012Validator
 
-from radixflow.services.stack import Stack, stack_config
-from radixflow.shared.natsd import NatsServer
 
+from . import stacks
 from .structured.corpus import ACCEPTED, RAMBLES, REJECTED
 
 
 @pytest.fixture(scope="module")
 async def srv(models):
-    nats = NatsServer().start()
-    st = await Stack(stack_config(nats.url, models["tiny-hybrid"], gw_port=0, ex_max_running_requests=32)).start()
-    st.base = f"http://127.0.0.1:{st.actors['gateway'].port}"
-    st.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
-    for _ in range(100):
-        async with st.http.get(st.base + "/health") as r:
-            if r.status == 200:
-                break
-        await asyncio.sleep(0.1)
+    st = await stacks.start(models["tiny-hybrid"], ex_max_running_requests=32)
     yield st
-    await st.http.close()
-    await st.stop()
-    nats.stop()
+    await stacks.stop(st)
 
 
 async def post(st, path, body):

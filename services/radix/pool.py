@@ -17,8 +17,8 @@ last page boundary of its prompt. During decode the executor keeps a tail checkp
 page boundary, inserted at release (the next turn of a conversation resumes from it).
 
 Programs pin a fork point: a request released with `pin` keeps its inserted prefix locked under
-that key until RadixUnpin (its children have all been admitted, and lock the path themselves) or
-the pin's deadline. A cancelled branch (`discard`) and a lost select choice (`demote`) have their
+that key until RadixStep.unpins names it (its children have all been admitted and lock the path
+themselves; the scheduler's CacheHints reach radix through the executor) or the pin's deadline. A cancelled branch (`discard`) and a lost select choice (`demote`) have their
 private pages marked oldest in the LRU: the first to go under memory pressure.
 
 With cache=False (--disable-radix-cache) nothing is matched or inserted: the same engine without

@@ -86,7 +86,8 @@ class RadixService(Actor):
         out = []
         for name, pool in self.pools.items():
             st = pool.stats()
-            for key in ("kv_pages_used", "kv_pages_pinned", "pins", "kv_pages_total", "kv_pages_evictable", "kv_pages_cached", "evicted_pages_total",
+            for key in ("kv_pages_used", "kv_pages_total", "kv_pages_evictable", "kv_pages_cached", "kv_pages_pinned",
+                        "pins", "evicted_pages_total",
                         "state_slots_used", "state_slots_total", "state_slots_cached", "state_checkpoints_total",
                         "state_restores_total", "state_recomputed_tokens_total", "evicted_states_total"):
                 if key in st:

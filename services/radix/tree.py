@@ -196,7 +196,9 @@ class RadixTree:
     def demote(self, node: Node, keep: int) -> int:
         """Make the path ending at `node` the first to evict, up to (not into) the first `keep`
         tokens, a shared branch point, or a locked node; returns the pages demoted."""
-        end = sum(len(n.key) for n in self._path(node))
+        end, up = 0, node
+        while not up.is_root:
+            end, up = end + len(up.key), up.parent
         n, pages = node, 0
         while not n.is_root and n.lock == 0 and len(n.children) <= 1 and end - len(n.key) >= keep:
             n.last_access = -1           # older than any clock value: evict() and evict_states() take it first
@@ -204,13 +206,6 @@ class RadixTree:
             end -= len(n.key)
             n = n.parent
         return pages
-
-    def _path(self, node: Node) -> list[Node]:
-        out = []
-        while node is not None and not node.is_root:
-            out.append(node)
-            node = node.parent
-        return out
 
     def flush(self) -> Evicted:
         """Free every unlocked page (and the states of those nodes)."""
