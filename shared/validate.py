@@ -3,18 +3,21 @@ from __future__ import annotations
 
 import math
 
-from .errors import BadRequest
 import json
+
+from .errors import BadRequest
 
 from .messages import Constraint, GenerateRequest, SamplingParams
 
 MAX_STOPS = 16
 MAX_STOP_LEN = 256
+MAX_TOP_LOGPROBS = 20     # OpenAI's bound
+MAX_N = 128
 
 
 def check_sampling(p: SamplingParams) -> None:
-    if p.max_new_tokens < 1:
-        raise BadRequest(f"max_new_tokens must be at least 1, got {p.max_new_tokens}", param="max_new_tokens")
+    if p.max_new_tokens < 0:
+        raise BadRequest(f"max_new_tokens must be at least 0, got {p.max_new_tokens}", param="max_new_tokens")
     if not math.isfinite(p.temperature) or p.temperature < 0:
         raise BadRequest(f"temperature must be a finite number >= 0, got {p.temperature}", param="temperature")
     if not (0.0 < p.top_p <= 1.0):
@@ -30,6 +33,18 @@ def check_sampling(p: SamplingParams) -> None:
             raise BadRequest(f"stop strings must be 1..{MAX_STOP_LEN} characters", param="stop")
     if any(t < 0 for t in p.stop_token_ids):
         raise BadRequest("stop_token_ids must be non-negative", param="stop_token_ids")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(p, name)
+        if not (math.isfinite(v) and -2.0 <= v <= 2.0):
+            raise BadRequest(f"{name} must be in [-2, 2], got {v}", param=name)
+    if not (math.isfinite(p.repetition_penalty) and 0.0 < p.repetition_penalty <= 10.0):
+        raise BadRequest(f"repetition_penalty must be in (0, 10], got {p.repetition_penalty}", param="repetition_penalty")
+    for tok, bias in p.logit_bias.items():
+        if tok < 0 or not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+            raise BadRequest(f"logit_bias maps token ids >= 0 to values in [-100, 100], got {tok}: {bias}",
+                             param="logit_bias")
+    if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}", param="top_logprobs")
 
 
 def one_constraint(json_schema: str | None = None, regex: str | None = None, ebnf: str | None = None,
@@ -57,3 +72,7 @@ def check_request(r: GenerateRequest) -> None:
     if r.messages is not None and not r.messages:
         raise BadRequest("messages is empty", param="messages")
     check_sampling(r.sampling)
+    if not 1 <= r.n <= MAX_N:
+        raise BadRequest(f"n must be in [1, {MAX_N}], got {r.n}", param="n")
+    if r.n > 1 and r.sampling.max_new_tokens == 0:
+        raise BadRequest("n > 1 needs max_new_tokens > 0", param="n")

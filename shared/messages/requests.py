@@ -21,6 +21,20 @@ class SamplingParams(Msg):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # penalties and biases, applied to the logits in the batched sampler (before temperature)
+    presence_penalty: float = 0.0     # OpenAI: minus this for every token already in the output
+    frequency_penalty: float = 0.0    # OpenAI: minus this times the token's count in the output
+    repetition_penalty: float = 1.0   # CTRL/HF: logits of tokens in prompt or output divided (>0) or multiplied (<0) by it
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit
+    # returned logprobs: log_softmax of the model's raw logits (before penalties, temperature, masks)
+    logprobs: bool = False            # the sampled tokens' logprobs
+    top_logprobs: int = 0             # and the k most likely tokens at each position (prompt ones too)
+
+
+class TopLogprobs(Msg):
+    """The k most likely tokens at one position, most likely first."""
+    ids: list[int]
+    logprobs: list[float]
 
 
 class ChatMessage(Msg):
@@ -44,6 +58,8 @@ class GenerateRequest(Msg):
     cache_salt: str | None = None
     stream: bool = True               # False: one chunk at the end (no per-step detokenization)
     constraint: Constraint | None = None
+    logprob_start: int = -1           # >= 0: the last chunk carries the prompt tokens' logprobs from here on
+    n: int = 1                        # > 1: n completions of one prompt (prefilled once), chunks carry `index`
 
 
 class Accepted(Msg):
@@ -73,8 +89,13 @@ class StreamChunk(Msg):
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort
     matched_stop: int | str | None = None
-    usage: Usage | None = None        # set on the last chunk
-    input_logprobs: list[float] = []  # last chunk: logprobs of the prompt tokens from ExecRequest.logprob_start
+    usage: Usage | None = None        # set on the last chunk (of each index)
+    input_logprobs: list[float] = []  # last chunk: logprobs of the prompt tokens from max(1, logprob_start) on
+    input_top_logprobs: list[TopLogprobs] = []   # ... and their top alternatives (sampling.top_logprobs > 0)
+    logprobs: list[float] = []        # sampling.logprobs: one per token in token_ids
+    top_logprobs: list[TopLogprobs] = []   # sampling.top_logprobs > 0: one per token in token_ids
+    index: int = 0                    # n > 1: which completion; each index's end has finish_reason set,
+                                      # and only the stream's last item has finished=True
 
 
 class StreamError(Msg):
@@ -166,7 +187,11 @@ class SeqOutput(Msg):
     cached_tokens: int = 0
     error: str | None = None
     error_code: int = 500
-    input_logprobs: list[float] = []  # on the finished output, when ExecRequest.logprob_start >= 0
+    input_logprobs: list[float] = []  # on the finished output, when ExecRequest.logprob_start >= 0:
+                                      # the logprob of every prompt token from max(1, logprob_start) on
+    input_top_logprobs: list[TopLogprobs] = []   # ... their top alternatives (sampling.top_logprobs > 0)
+    logprobs: list[float] = []        # sampling.logprobs: one per token in token_ids
+    top_logprobs: list[TopLogprobs] = []   # sampling.top_logprobs > 0: one per token in token_ids
 
 
 class StepOutput(Msg):
