@@ -27,6 +27,7 @@ from radixflow.shared.messages import (AbortRequest, Accepted, Constraint, Detok
 from radixflow.shared.validate import check_request
 
 from .programs import ProgramDriver
+from .siblings import Siblings, child_rid
 from .structured import OutputCheck, check_constraint
 from .table import RequestTable, Tracked, namespace_of
 
@@ -47,6 +48,7 @@ class SchedulerService(Actor):
         self.cfg = config
         self.table = RequestTable()
         self.executors: dict[str, ExecutorState] = {}
+        self.siblings: dict[str, Siblings] = {}     # rid of a request with n > 1 -> its children
         self._eos: list[int] | None = None
         self.output_subject = subjects.scheduler_output(self.instance)
         self.route(subjects.SCHEDULER_SUBMIT, GenerateRequest, self.submit, queue="scheduler")
@@ -149,12 +151,44 @@ class SchedulerService(Actor):
         grammar_key, check = await self.compile(req.constraint)
         namespace = namespace_of(req.tenant, req.cache_salt)
         ex = await self.place(live, namespace, ids)
-        t = Tracked(rid=req.rid, stream_subject=req.stream_subject, executor=ex.instance, prompt_tokens=len(ids),
-                    sampling=req.sampling, deadline=time.monotonic() + self.cfg.request_timeout_s, stream=req.stream,
-                    check=check)
-        await self.dispatch(ex, ExecRequest(rid=req.rid, input_ids=ids, sampling=req.sampling, namespace=namespace,
-                                            grammar_key=grammar_key), t)
+        deadline = time.monotonic() + self.cfg.request_timeout_s
+        exec_req = ExecRequest(rid=req.rid, input_ids=ids, sampling=req.sampling, namespace=namespace,
+                               grammar_key=grammar_key, logprob_start=req.logprob_start)
+        if req.n == 1:
+            await self.dispatch(ex, exec_req, Tracked(
+                rid=req.rid, stream_subject=req.stream_subject, executor=ex.instance, prompt_tokens=len(ids),
+                sampling=req.sampling, deadline=deadline, stream=req.stream, check=check))
+        else:
+            await self._fan_out(ex, req, exec_req, check, deadline)
         return Accepted(rid=req.rid, prompt_tokens=len(ids), executor=ex.instance, scheduler=self.instance)
+
+    async def _fan_out(self, ex: ExecutorState, req: GenerateRequest, exec_req: ExecRequest,
+                       check: OutputCheck | None, deadline: float) -> None:
+        """n > 1: a prefill-only parent, then n children that the executor admits after its release
+        (siblings.py). A refused parent refuses the request; a refused child fails the stream."""
+        if req.rid in self.siblings or any(r in self.table for r in (child_rid(req.rid, i) for i in range(req.n))):
+            raise BadRequest(f"request id {req.rid!r} is already in flight", param="rid")
+        group = Siblings(self, req.rid, req.stream_subject, req.n)
+        ids = exec_req.input_ids
+        parent_sampling = msgspec.structs.replace(req.sampling, max_new_tokens=0, logprobs=False)
+        await self.dispatch(ex, msgspec.structs.replace(exec_req, sampling=parent_sampling, grammar_key=None), Tracked(
+            rid=req.rid, stream_subject="", executor=ex.instance, prompt_tokens=len(ids), sampling=parent_sampling,
+            deadline=deadline, stream=False, sink=group.on_parent))
+        self.siblings[req.rid] = group
+
+        async def child(i: int) -> None:
+            seed = None if req.sampling.seed is None else req.sampling.seed + i   # distinct yet reproducible
+            sampling = msgspec.structs.replace(req.sampling, seed=seed)
+            rid = child_rid(req.rid, i)
+            try:
+                await self.dispatch(ex, msgspec.structs.replace(exec_req, rid=rid, sampling=sampling, logprob_start=-1,
+                                                                after=req.rid), Tracked(
+                    rid=rid, stream_subject="", executor=ex.instance, prompt_tokens=len(ids), sampling=sampling,
+                    deadline=deadline, stream=req.stream, check=check,
+                    sink=lambda item: group.on_child(i, item)))
+            except RadixflowError as e:
+                await group.on_child(i, StreamError(rid=rid, seq=0, code=e.code, kind=e.kind, message=e.message))
+        await asyncio.gather(*(child(i) for i in range(req.n)))
 
     async def dispatch(self, ex: ExecutorState, req: ExecRequest, t: Tracked, reserved: bool = False) -> None:
         """Track `t` and hand `req` to executor `ex`; raises (and tracks nothing) when it is refused.
@@ -186,7 +220,8 @@ class SchedulerService(Actor):
 
     async def abort(self, req: AbortRequest) -> None:
         by_exec: dict[str, list[str]] = {}
-        for rid in req.rids:
+        rids = [r for rid in req.rids for r in ([rid] + (self.siblings[rid].children if rid in self.siblings else []))]
+        for rid in rids:
             t = self.table.get(rid)
             if t is not None:
                 by_exec.setdefault(t.executor, []).append(rid)
@@ -202,8 +237,10 @@ class SchedulerService(Actor):
         for t, o in live:
             t.output_ids.extend(o.token_ids)
             t.cached_tokens = o.cached_tokens
+            t.logprobs.extend(o.logprobs)
+            t.top_logprobs.extend(o.top_logprobs)
             if o.input_logprobs:
-                t.input_logprobs = o.input_logprobs
+                t.input_logprobs, t.input_top_logprobs = o.input_logprobs, o.input_top_logprobs
         # a non-streaming request without stop strings is detokenized once, when it ends
         live = [(t, o) for t, o in live if t.incremental or o.finished]
         if not live:
@@ -241,7 +278,7 @@ class SchedulerService(Actor):
             elif o.finished:
                 await self._end(t, text, o.finish_reason or "stop", o.matched_stop)
             else:
-                await self._send(t, StreamChunk(rid=t.rid, seq=t.take_seq(), text=text, token_ids=t.take_ids()))
+                await self._send(t, t.take(text))
         for ex, rids in stopped.items():
             await self.bus.publish(subjects.executor_abort(ex), AbortRequest(rids=rids))
 
@@ -249,19 +286,32 @@ class SchedulerService(Actor):
         if t.sink is not None:
             await t.sink(item)
             return
+        await self.publish_stream(t.stream_subject, t.rid, item)
+
+    async def publish_stream(self, subject: str, rid: str, item: StreamChunk | StreamError) -> None:
         try:
-            await self.bus.publish(t.stream_subject, item)
-        except RadixflowError as e:   # oversize chunk: the client must still get a terminal event
-            self.log.error("stream item not sent", rid=t.rid, error=e.message)
+            await self.bus.publish(subject, item)
+        except RadixflowError as e:
+            self.log.error("stream item not sent", rid=rid, error=e.message)
+            if isinstance(item, StreamChunk) and item.finished:   # oversize: the client still gets a terminal event
+                await self.bus.publish(subject, StreamError(rid=rid, seq=item.seq, code=e.code, kind=e.kind,
+                                                            message=f"the result could not be sent: {e.message}"))
+
+    async def abort_rids(self, rids: list[str]) -> None:
+        """Stop these requests without a terminal event of their own (their stream already ended)."""
+        for ex, gone in self.forget(rids).items():
+            try:
+                await self.bus.publish(subjects.executor_abort(ex), AbortRequest(rids=gone))
+            except RadixflowError:
+                pass
 
     async def _end(self, t: Tracked, text: str, reason: str, matched) -> None:
         if self.table.finish(t.rid) is None:
             return
         self._release(t)
-        await self._send(t, StreamChunk(rid=t.rid, seq=t.take_seq(), text=text, token_ids=t.take_ids(), finished=True,
-                                        finish_reason=reason, matched_stop=matched, usage=Usage(
-                                            prompt_tokens=t.prompt_tokens, completion_tokens=len(t.output_ids),
-                                            cached_tokens=t.cached_tokens), input_logprobs=t.input_logprobs))
+        await self._send(t, t.take(text, finished=True, finish_reason=reason, matched_stop=matched, usage=Usage(
+            prompt_tokens=t.prompt_tokens, completion_tokens=len(t.output_ids), cached_tokens=t.cached_tokens),
+            input_logprobs=t.input_logprobs, input_top_logprobs=t.input_top_logprobs))
 
     async def _fail(self, t: Tracked, code: int, kind: str, message: str, abort: bool = False) -> None:
         if self.table.finish(t.rid) is None:

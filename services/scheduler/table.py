@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from radixflow.shared.messages import SamplingParams, StreamChunk, StreamError
+from radixflow.shared.messages import SamplingParams, StreamChunk, StreamError, TopLogprobs
 
 from .stops import StopMatcher
 from .structured import OutputCheck
@@ -35,6 +35,9 @@ class Tracked:
     check: "OutputCheck | None" = None   # structured output: validated once the text is complete
     text: str = ""                # the released text so far (kept only when `check` needs it)
     input_logprobs: list[float] = field(default_factory=list)
+    input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)            # aligned with output_ids (when asked)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
     # where the stream items go instead of `stream_subject`: a program's node (programs.py)
     sink: Callable[[StreamChunk | StreamError], Awaitable[None]] | None = None
 
@@ -46,10 +49,12 @@ class Tracked:
         """Detokenize every step (streaming, or stop strings to watch); else once at the end."""
         return self.stream or bool(self.sampling.stop)
 
-    def take_ids(self) -> list[int]:
-        ids = self.output_ids[self.sent:]
+    def take(self, text: str, **kw) -> StreamChunk:
+        """The next chunk: `text` and the output ids (and their logprobs) not sent yet."""
+        a = self.sent
         self.sent = len(self.output_ids)
-        return ids
+        return StreamChunk(rid=self.rid, seq=self.take_seq(), text=text, token_ids=self.output_ids[a:],
+                           logprobs=self.logprobs[a:], top_logprobs=self.top_logprobs[a:], **kw)
 
     def take_seq(self) -> int:
         self.next_seq += 1

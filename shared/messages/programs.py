@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Msg
+from .requests import TenantLimits
 
 
 # ---------------------------------------------------------------- programs
@@ -55,6 +56,8 @@ class ProgramRequest(Msg):
     nodes: list[ProgramNode]
     tenant: str = "default"
     cache_salt: str | None = None
+    cache_scope: str = ""             # as GenerateRequest.cache_scope
+    limits: TenantLimits | None = None
     stream: bool = False              # also send each node's text deltas as it generates
     timeout_s: float = 0.0            # the program's one deadline (0: the scheduler's request timeout)
 

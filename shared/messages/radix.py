@@ -31,6 +31,7 @@ class Candidate(Msg):
     checkpoint_at: list[int] = []     # hybrid: extra checkpoints asked for (the programs' fork points)
     priority: int = 0                 # higher first; among equals, longest cached prefix first
     max_cached: int = -1              # >= 0: reuse at most this many tokens (prompt logprobs need the rest)
+    quota_pages: int = 0              # > 0: the namespace's owner may keep at most this many cached pages
 
 
 class Progress(Msg):
@@ -99,6 +100,7 @@ class RadixStepReply(Msg):
 
 class RadixFlush(Msg):
     pool: str | None = None           # None: every pool
+    scopes: list[str] = []            # only these owners' namespaces ("alpha" and "alpha/<salt>"); empty: all
 
 
 class RadixFlushed(Msg):

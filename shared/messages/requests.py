@@ -37,6 +37,13 @@ class TopLogprobs(Msg):
     logprobs: list[float]
 
 
+class TenantLimits(Msg):
+    """What one tenant may hold at a time (0: no limit). Set by the gateway from its key file."""
+    max_concurrent: int = 0           # requests accepted and unfinished
+    max_queued_tokens: int = 0        # prompt plus max_new_tokens of those requests
+    max_cached_pages: int = 0         # KV pages its cache namespaces may keep in each pool
+
+
 class ChatMessage(Msg):
     role: str
     content: str
@@ -54,8 +61,10 @@ class GenerateRequest(Msg):
     messages: list[ChatMessage] | None = None
     input_ids: list[int] | None = None
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
-    tenant: str = "default"
+    tenant: str = "default"           # who is accounted (limits, metrics)
     cache_salt: str | None = None
+    cache_scope: str = ""             # whose cache namespaces it shares ("": the tenant's own; a group's name)
+    limits: TenantLimits | None = None
     stream: bool = True               # False: one chunk at the end (no per-step detokenization)
     constraint: Constraint | None = None
     logprob_start: int = -1           # >= 0: the last chunk carries the prompt tokens' logprobs from here on
@@ -91,6 +100,7 @@ class StreamChunk(Msg):
     matched_stop: int | str | None = None
     usage: Usage | None = None        # set on the last chunk (of each index)
     input_logprobs: list[float] = []  # last chunk: logprobs of the prompt tokens from max(1, logprob_start) on
+    input_ids: list[int] = []         # last chunk, when logprob_start >= 0: the prompt tokens from logprob_start on
     input_top_logprobs: list[TopLogprobs] = []   # ... and their top alternatives (sampling.top_logprobs > 0)
     logprobs: list[float] = []        # sampling.logprobs: one per token in token_ids
     top_logprobs: list[TopLogprobs] = []   # sampling.top_logprobs > 0: one per token in token_ids
@@ -161,7 +171,8 @@ class ExecRequest(Msg):
     input_ids: list[int]
     sampling: SamplingParams
     eos_token_ids: list[int] = []
-    namespace: str = "default"        # cache namespace: tenant plus optional cache_salt
+    namespace: str = "default"        # cache namespace: tenant (or its group) plus optional "/" cache_salt
+    quota_pages: int = 0              # > 0: the namespace's owner may keep at most this many cached pages
     output_subject: str = ""          # where the executor publishes StepOutput for this request
     checkpoint_at: list[int] = []     # hybrid: also keep the state at these prompt positions (fork points)
     grammar_key: str | None = None    # structured output: fetch the compiled grammar by this key

@@ -1,0 +1,73 @@
+"""Siblings: the n completions of one request (OpenAI's and SGLang's `n`) on one stream.
+
+The prompt is prefilled once: a prefill-only parent request computes it, and the n children are
+sent with `after` set to it, so the executor holds them back until the parent's release has cached
+the prompt; each then computes only the last partial page of the prompt. (The same mechanism
+programs use for children of a prefill-only node.)
+
+The stream stays one stream: every chunk carries its child's `index`, sequence numbers are the
+stream's, each index's last chunk has its finish_reason, and only the very last chunk of all has
+finished=True. The first error of any child is the stream's one terminal StreamError; the other
+children are then aborted.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from radixflow.shared.messages import StreamChunk, StreamError
+
+if TYPE_CHECKING:
+    from .service import SchedulerService
+
+
+def child_rid(rid: str, index: int) -> str:
+    return f"{rid}/{index}"
+
+
+class Siblings:
+    def __init__(self, sched: "SchedulerService", rid: str, subject: str, n: int):
+        self.sched, self.rid, self.subject, self.n = sched, rid, subject, n
+        self.remaining = n
+        self.seq = 0
+        self.ended = False
+        self.parent_cached = 0                   # what the shared prefill found in the cache
+        self.input_logprobs: StreamChunk | None = None   # the parent's last chunk (prompt logprobs)
+
+    @property
+    def children(self) -> list[str]:
+        return [child_rid(self.rid, i) for i in range(self.n)]
+
+    async def on_parent(self, item: StreamChunk | StreamError) -> None:
+        # A failed parent is not the stream's error: each child then computes the prompt itself,
+        # and fails on its own if the cause is theirs too.
+        if isinstance(item, StreamChunk) and item.finished:
+            self.parent_cached = item.usage.cached_tokens if item.usage else 0
+            self.input_logprobs = item
+
+    async def on_child(self, index: int, item: StreamChunk | StreamError) -> None:
+        if self.ended:
+            return
+        item.seq, self.seq = self.seq, self.seq + 1
+        if isinstance(item, StreamError):
+            self.ended = True
+            item.rid = self.rid
+            await self._publish(item)
+            await self.sched.abort_rids([r for r in self.children if r != child_rid(self.rid, index)])
+            self.sched.siblings.pop(self.rid, None)
+            return
+        item.rid, item.index = self.rid, index
+        if item.finished:
+            self.remaining -= 1
+            item.finished = self.remaining == 0
+            if item.usage is not None:
+                item.usage.cached_tokens = self.parent_cached
+            if item.finished:
+                self.ended = True
+                self.sched.siblings.pop(self.rid, None)
+                if self.input_logprobs is not None:
+                    item.input_logprobs = self.input_logprobs.input_logprobs
+                    item.input_top_logprobs = self.input_logprobs.input_top_logprobs
+        await self._publish(item)
+
+    async def _publish(self, item: StreamChunk | StreamError) -> None:
+        await self.sched.publish_stream(self.subject, self.rid, item)
