@@ -28,7 +28,7 @@ from nats.aio.msg import Msg as NatsMsg
 from nats.aio.subscription import Subscription
 
 from . import log, messages, subjects
-from .bus import Bus
+from .bus import Bus, is_json
 from .config import ServiceConfig
 from .errors import BadRequest, from_exception
 from .messages import Heartbeat, MetricsReply, Msg, Sample, StatusReply, StatusRequest
@@ -169,7 +169,12 @@ class Actor:
     async def _handle(self, r: Route, m: NatsMsg) -> None:
         req, rid = None, None
         try:
-            req = messages.decode(m.data, r.msg_type)
+            if is_json(m):
+                req = messages.decode_json(m.data, r.msg_type)
+                if hasattr(req, "json_stream"):
+                    req.json_stream = True      # its stream items go back in JSON too
+            else:
+                req = messages.decode(m.data, r.msg_type)
             rid = getattr(req, "rid", None)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             out = BadRequest(f"malformed message on {r.subject}: {e}").to_reply()

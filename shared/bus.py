@@ -89,8 +89,8 @@ class Bus:
 
     # ------------------------------------------------------------ sending
 
-    def _encode(self, msg: Msg, subject: str) -> bytes:
-        data = messages.encode(msg)
+    def _encode(self, msg: Msg, subject: str, as_json: bool = False) -> bytes:
+        data = messages.encode_json(msg) if as_json else messages.encode(msg)
         limit = self.max_payload - _OVERHEAD
         if len(data) > limit:
             raise PayloadTooLarge(
@@ -98,8 +98,9 @@ class Bus:
                 f"({self.max_payload} bytes) on {subject}")
         return data
 
-    async def publish(self, subject: str, msg: Msg) -> None:
-        await self.nc.publish(subject, self._encode(msg, subject))
+    async def publish(self, subject: str, msg: Msg, as_json: bool = False) -> None:
+        """`as_json`: for a public-API client that asked for JSON (see messages.JSON)."""
+        await self.nc.publish(subject, self._encode(msg, subject, as_json))
 
     async def request(self, subject: str, msg: Msg, reply: Any, *, timeout: float | None = None) -> Any:
         """Send `msg` and decode the answer as `reply`; an ErrorReply raises the typed error."""
@@ -141,13 +142,15 @@ class Bus:
         return out
 
     async def respond(self, request: NatsMsg, msg: Msg) -> None:
-        """Answer a request; an oversize answer becomes a 413 ErrorReply instead of silence."""
+        """Answer a request (in JSON if it came in JSON); an oversize answer becomes a 413
+        ErrorReply instead of silence."""
         if not request.reply:
             return
+        as_json = is_json(request)
         try:
-            data = self._encode(msg, request.reply)
+            data = self._encode(msg, request.reply, as_json)
         except PayloadTooLarge as e:
-            data = messages.encode(e.to_reply())
+            data = messages.encode_json(e.to_reply()) if as_json else messages.encode(e.to_reply())
         await self.nc.publish(request.reply, data)
 
     # ------------------------------------------------------------ receiving
@@ -157,6 +160,10 @@ class Bus:
 
     def open_stream(self, idle_timeout_s: float | None = None) -> "InboxStream":
         return InboxStream(self, idle_timeout_s)
+
+
+def is_json(m: NatsMsg) -> bool:
+    return bool(m.headers) and m.headers.get("Content-Type", "").split(";")[0].strip() == messages.JSON
 
 
 class InboxStream:

@@ -60,7 +60,8 @@ class GatewayConfig:
     SECTION = "GATEWAY"
     host: str = "127.0.0.1"
     port: int = 8000
-    api_keys: tuple[str, ...] = ()    # "key" or "key:tenant"; empty: auth off, tenant "default"
+    api_keys: tuple[str, ...] = ()    # "key" or "key:tenant"; with auth_file empty too: auth off, tenant "default"
+    auth_file: str = ""               # keys, tenants, groups, roles, limits (JSON or TOML; gateway/auth.py)
     scheduler_timeout_s: float = 3.5  # no scheduler heartbeat for this long: 503 for in-flight streams
     health_timeout_s: float = 2.0
 

@@ -8,18 +8,25 @@ class RadixflowError(Exception):
     code = 500
     kind = "internal_error"
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, retry_after: float | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
+        self.retry_after = retry_after    # seconds a client should wait before trying again (HTTP Retry-After)
 
     def to_reply(self) -> ErrorReply:
-        return ErrorReply(code=self.code, kind=self.kind, message=self.message, param=self.param)
+        return ErrorReply(code=self.code, kind=self.kind, message=self.message, param=self.param,
+                          retry_after=self.retry_after)
 
 
 class BadRequest(RadixflowError):
     code = 400
     kind = "invalid_request_error"
+
+
+class Forbidden(RadixflowError):
+    code = 403
+    kind = "permission_error"
 
 
 class NotFound(RadixflowError):
@@ -34,6 +41,7 @@ class PayloadTooLarge(RadixflowError):
 
 
 class Overloaded(RadixflowError):
+    """Too much in flight (the service's, or one tenant's limits); `retry_after` says when to come back."""
     code = 429
     kind = "overloaded"
 
@@ -60,13 +68,13 @@ class Unauthorized(RadixflowError):
     kind = "authentication_error"
 
 
-_BY_CODE = {c.code: c for c in (BadRequest, NotFound, PayloadTooLarge, Overloaded, ServiceUnavailable,
+_BY_CODE = {c.code: c for c in (BadRequest, Forbidden, NotFound, PayloadTooLarge, Overloaded, ServiceUnavailable,
                                 RequestTimeout, StreamGap, Unauthorized)}
 
 
 def from_reply(reply: ErrorReply) -> RadixflowError:
     cls = _BY_CODE.get(reply.code, RadixflowError)
-    err = cls(reply.message, reply.param)
+    err = cls(reply.message, reply.param, reply.retry_after)
     err.code, err.kind = reply.code, reply.kind
     return err
 

@@ -131,7 +131,10 @@ BAD = [
     ("/v1/chat/completions", {"model": "tiny-hybrid", "messages": "nope"}, "Expected `array"),
     ("/v1/chat/completions", {"model": "tiny-hybrid", "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, "does not exist"),
-    ("/v1/chat/completions", {"model": "tiny-hybrid", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n other"),
+    ("/v1/chat/completions", {"model": "tiny-hybrid", "messages": [{"role": "user", "content": "x"}], "n": 200}, "n must"),
+    ("/v1/chat/completions", {"model": "tiny-hybrid", "messages": [{"role": "user", "content": "x"}], "tools": []},
+     "unknown field `tools`"),
+    ("/v1/completions", {"model": "tiny-hybrid", "prompt": "x", "suffix": "y"}, "suffix"),
     ("/v1/completions", {"model": "tiny-hybrid", "prompt": "x", "max_tokens": -1}, "max_new_tokens"),
     ("/v1/completions", {"prompt": "x"}, "model"),
 ]

@@ -45,6 +45,8 @@ def _serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-interval", type=int, default=None,
                    help="hybrid models: checkpoint long prefills every N tokens (default: at chunk boundaries)")
     p.add_argument("--api-key", action="append", default=None, help="KEY or KEY:TENANT; repeatable; enables auth")
+    p.add_argument("--auth-file", default=None,
+                   help='keys file (JSON or TOML): {"keys": {"KEY": {"tenant", "role", "group", "cache_salt", "limits"}}}')
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before an unfinished request fails")
 
 
@@ -54,7 +56,7 @@ def _overrides(a: argparse.Namespace) -> dict:
                 ex_max_prefill_tokens=a.max_prefill_tokens, ex_max_model_len=a.max_model_len,
                 ex_disable_radix_cache=a.disable_radix_cache, ex_state_slots=a.state_slots,
                 ex_checkpoint_interval=a.checkpoint_interval, gw_host=a.host, gw_port=a.port,
-                gw_api_keys=tuple(a.api_key) if a.api_key else None, sc_request_timeout_s=a.request_timeout)
+                gw_api_keys=tuple(a.api_key) if a.api_key else None, gw_auth_file=a.auth_file, sc_request_timeout_s=a.request_timeout)
 
 
 def cmd_up(a: argparse.Namespace) -> int:
@@ -93,14 +95,22 @@ def cmd_make_model(a: argparse.Namespace) -> int:
 
 
 def cmd_schemas(a: argparse.Namespace) -> int:
+    from radixflow.services.gateway import openapi
     from radixflow.shared.schemas import check, write
+    api = openapi.path_in(a.dir)
     if a.check:
         drift = check(a.dir)
+        if not os.path.exists(api) or open(api).read() != openapi.render():
+            drift.append(f"{api}: differs from the gateway's routes")
         for d in drift:
             print(d, file=sys.stderr)
         return 1 if drift else 0
     for p in write(a.dir):
         print(p)
+    os.makedirs(os.path.dirname(api), exist_ok=True)
+    with open(api, "w") as f:
+        f.write(openapi.render())
+    print(api)
     return 0
 
 

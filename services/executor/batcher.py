@@ -82,7 +82,7 @@ class Batcher:
                 tokens += len(s.tokens)
                 cands.append(Candidate(rid=s.rid, namespace=s.namespace, token_ids=s.tokens,
                                        reserve=s.sampling.max_new_tokens, checkpoint_at=s.checkpoint_at,
-                                       priority=s.priority,
+                                       priority=s.priority, quota_pages=s.quota_pages,
                                        max_cached=max(s.logprob_start - 1, 0) if s.logprob_start >= 0 else -1))
         self._unasked = bool(cands) and len(cands) < min(len(self.waiting) - held, slots)
         if not (cands or self.progress or self.releases or self.unpins or self.demotes):

@@ -92,6 +92,15 @@ class Engine:
         if n + req.sampling.max_new_tokens > self.max_model_len:
             raise BadRequest(f"prompt ({n} tokens) plus max_new_tokens ({req.sampling.max_new_tokens}) exceeds the "
                              f"context length of {self.max_model_len} tokens", param="max_new_tokens")
+        sp = req.sampling
+        if sp.logit_bias and not all(0 <= t < self.spec.vocab_size for t in sp.logit_bias):
+            bad = next(t for t in sp.logit_bias if not 0 <= t < self.spec.vocab_size)
+            raise BadRequest(f"logit_bias token id {bad} is outside the vocabulary [0, {self.spec.vocab_size})",
+                             param="logit_bias")
+        if sp.repetition_penalty <= 0:
+            raise BadRequest("repetition_penalty must be positive", param="repetition_penalty")
+        if not 0 <= sp.top_logprobs <= self.spec.vocab_size:
+            raise BadRequest(f"top_logprobs must be in [0, {self.spec.vocab_size}]", param="top_logprobs")
         if pages_for(n + req.sampling.max_new_tokens, self.page_size) > self.num_pages:
             raise BadRequest(f"request needs {n + req.sampling.max_new_tokens} tokens of KV; the pool holds "
                              f"{self.num_pages * self.page_size}", param="max_new_tokens")
@@ -102,7 +111,8 @@ class Engine:
         seq = Sequence(rid=req.rid, tokens=list(req.input_ids), sampling=req.sampling,
                        eos_ids=frozenset(req.eos_token_ids), namespace=req.namespace,
                        output_subject=req.output_subject, checkpoint_at=list(req.checkpoint_at),
-                       priority=req.priority, pin=req.pin, pin_ttl_s=req.pin_ttl_s, logprob_start=req.logprob_start,
+                       priority=req.priority, quota_pages=req.quota_pages, pin=req.pin, pin_ttl_s=req.pin_ttl_s,
+                       logprob_start=req.logprob_start,
                        after=req.after)
         if grammar is not None:
             import xgrammar as xgr
@@ -258,9 +268,12 @@ class Engine:
         return outs
 
     def _output(self, seq: Sequence, new: list[int]) -> tuple[str, SeqOutput]:
-        seq.reported += len(new)
+        # `new` is always output_ids[reported:reported + len(new)]: the logprobs of the same tokens
+        start, seq.reported = seq.reported, seq.reported + len(new)
         return seq.output_subject, SeqOutput(rid=seq.rid, token_ids=new, prompt_tokens=seq.prompt_len,
-                                             cached_tokens=seq.cached_len)
+                                             cached_tokens=seq.cached_len,
+                                             logprobs=seq.logprobs[start:seq.reported],
+                                             top_logprobs=seq.top_logprobs[start:seq.reported])
 
     def _finish(self, seq: Sequence, new: list[int]) -> tuple[str, SeqOutput]:
         self.batcher.finish(seq)
@@ -268,7 +281,7 @@ class Engine:
             self._live.pop(seq.rid, None)
         subject, out = self._output(seq, new)
         out.finished, out.finish_reason, out.matched_stop = True, seq.finish_reason, seq.matched_stop
-        out.input_logprobs = seq.input_logprobs
+        out.input_logprobs, out.input_top_logprobs = seq.input_logprobs, seq.input_top_logprobs
         return subject, out
 
     def _error(self, seq: Sequence, code: int, message: str) -> tuple[str, SeqOutput]:

@@ -162,7 +162,8 @@ class ModelRunner:
         return fb, want, lp
 
     def run(self, plan: Plan) -> dict[int, int]:
-        """Run one step; returns {index in plan.seqs: sampled token} for sequences that produce one."""
+        """Run one step; returns {index in plan.seqs: sampled token} for sequences that produce one.
+        Logprobs asked for are appended to the sequences (prompt ones, and the sampled token's)."""
         if self.state is not None:
             for seq in plan.seqs:
                 if not seq.state_ready:   # first step: resume from the checkpoint, or from zero
@@ -174,15 +175,27 @@ class ModelRunner:
         fb, want, lp = self.build(plan)
         logits = self.model(fb, self.kv, self.state)
         if lp:
-            targets = torch.tensor([t for _, t in lp], dtype=torch.int64, device=logits.device)
-            vals = torch.log_softmax(logits[len(want):], dim=-1).gather(1, targets[:, None])[:, 0].tolist()
-            for (i, _), v in zip(lp, vals):
-                plan.seqs[i].input_logprobs.append(v)
+            self._prompt_logprobs(plan, logits[len(want):], lp)
             logits = logits[:len(want)]
+        if not want:
+            return {}
         seqs = [plan.seqs[i] for i in want]
-        for s in seqs:
-            if s.generator is None and not sampler.is_greedy(s.sampling):
-                s.generator = sampler.make_generator(s.sampling.seed, self.device)
-        self.constrainer.mask(logits, [s.matcher for s in seqs])
-        toks = sampler.sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
-        return dict(zip(want, toks))
+        matchers = [s.matcher for s in seqs]
+        out = sampler.sample(logits, seqs, mask=lambda x: self.constrainer.mask(x, matchers))
+        for s, v, top in zip(seqs, out.logprobs, out.top):
+            if v is not None:
+                s.logprobs.append(v)
+            if top is not None:
+                s.top_logprobs.append(top)
+        return dict(zip(want, out.tokens))
+
+    def _prompt_logprobs(self, plan: Plan, logits: torch.Tensor, lp: list[tuple[int, int]]) -> None:
+        """The prompt-logprob rows of this step (raw logits [len(lp), V]) -> each sequence's
+        input_logprobs, and input_top_logprobs where it asked for top_logprobs."""
+        targets = torch.tensor([t for _, t in lp], dtype=torch.int64, device=logits.device)
+        ks = [plan.seqs[i].sampling.top_logprobs for i, _ in lp]
+        vals, tops = sampler.pick(torch.log_softmax(logits, dim=-1), targets, ks)
+        for (i, _), v, top in zip(lp, vals, tops):
+            plan.seqs[i].input_logprobs.append(v)
+            if top is not None:
+                plan.seqs[i].input_top_logprobs.append(top)

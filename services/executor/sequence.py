@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from radixflow.shared.messages import SamplingParams
+from radixflow.shared.messages import SamplingParams, TopLogprobs
 
 
 class Status(enum.Enum):
@@ -52,12 +52,20 @@ class Sequence:
     checkpoint_at: list[int] = field(default_factory=list)   # extra checkpoints asked for (fork points)
     matcher: Any = None          # structured output: an xgrammar GrammarMatcher over the output
     priority: int = 0            # admission order (speculative program branches: lower)
+    quota_pages: int = 0         # > 0: its namespace's owner may keep at most this many cached pages (radix)
     pin: str = ""                # programs: keep the cached prefix locked under this key at release
     pin_ttl_s: float = 0.0
     discard: bool = False        # cancelled branch: cache nothing more at release
     after: str = ""              # programs: not admitted while this request is live here (its parent)
     logprob_start: int = -1      # >= 0: collect logprobs of prompt tokens from here on ...
     input_logprobs: list[float] = field(default_factory=list)   # ... in order
+    input_top_logprobs: list[TopLogprobs] = field(default_factory=list)   # ... and their top alternatives
+    # output logprobs (raw: before penalties and temperature; sampling.logprobs or top_logprobs > 0),
+    # entry i for output_ids[i]: the runner appends one in the step that samples the token the
+    # engine then appends
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    penalties: Any = None        # sampler.Penalties: output token counts, kept on the device
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.tokens)

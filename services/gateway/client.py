@@ -17,23 +17,57 @@ import msgspec
 from radixflow.shared import subjects
 from radixflow.shared.bus import Bus, InboxStream
 from radixflow.shared.errors import NotFound, RadixflowError, RequestTimeout, ServiceUnavailable, from_reply
-from radixflow.shared.messages import (AbortRequest, Accepted, ErrorReply, ExecutorInfo, GenerateRequest, Heartbeat,
-                                       ProgramAccepted, ProgramEvent, ProgramInfo, ProgramQuery, ProgramRequest,
-                                       StreamChunk, StreamError)
+from radixflow.shared.messages import (AbortRequest, Accepted, DetokenizeReply, DetokenizeRequest, DetokItem,
+                                       ErrorReply, ExecutorInfo, GenerateRequest, Heartbeat, ProgramAccepted,
+                                       ProgramEvent, ProgramInfo, ProgramQuery, ProgramRequest, StreamChunk,
+                                       StreamError, TopLogprobs)
 
 KEEP_OWNERS = 10_000     # program id -> its scheduler, for GET / DELETE without a broadcast
 
 
 @dataclass
-class Result:
-    """A finished generation, accumulated from its stream."""
-    rid: str
-    prompt_tokens: int = 0
+class Choice:
+    """One completion, accumulated from the stream items of its index."""
+    index: int
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     matched_stop: int | str | None = None
+
+
+@dataclass
+class Result:
+    """A finished request: its n choices and the prompt's accounting."""
+    rid: str
+    prompt_tokens: int = 0
+    choices: list[Choice] = field(default_factory=list)
     cached_tokens: int = 0
+    input_ids: list[int] = field(default_factory=list)          # from logprob_start, when asked
+    input_logprobs: list[float] = field(default_factory=list)
+    input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+
+    def add(self, item: StreamChunk) -> Choice:
+        while len(self.choices) <= item.index:
+            self.choices.append(Choice(index=len(self.choices)))
+        c = self.choices[item.index]
+        c.text += item.text
+        c.output_ids.extend(item.token_ids)
+        c.logprobs.extend(item.logprobs)
+        c.top_logprobs.extend(item.top_logprobs)
+        if item.finish_reason is not None:
+            c.finish_reason, c.matched_stop = item.finish_reason, item.matched_stop
+        if item.usage is not None:
+            self.cached_tokens = item.usage.cached_tokens
+        if item.input_logprobs or item.input_ids:
+            self.input_ids, self.input_logprobs = item.input_ids, item.input_logprobs
+            self.input_top_logprobs = item.input_top_logprobs
+        return c
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.output_ids) for c in self.choices)
 
 
 class EngineClient:
@@ -144,15 +178,22 @@ class EngineClient:
             async for item in gen:
                 if isinstance(item, Accepted):
                     res.prompt_tokens = item.prompt_tokens
-                    continue
-                res.text += item.text
-                res.output_ids.extend(item.token_ids)
-                if item.finished:
-                    res.finish_reason, res.matched_stop = item.finish_reason, item.matched_stop
-                    res.cached_tokens = item.usage.cached_tokens if item.usage else 0
+                else:
+                    res.add(item)
         finally:
             await gen.aclose()
+        res.choices.sort(key=lambda c: c.index)
         return res
+
+    async def token_texts(self, ids: list[int]) -> dict[int, str]:
+        """Each token's own text (special tokens included), for logprobs; one bus request."""
+        uniq = sorted(set(ids))
+        if not uniq:
+            return {}
+        reply = await self.bus.request(subjects.TOKENIZER_DETOKENIZE, DetokenizeRequest(items=[
+            DetokItem(ids=[t], prefix_offset=0, read_offset=0, skip_special_tokens=False, flush=True) for t in uniq]),
+            DetokenizeReply, timeout=10)
+        return {t: d.text for t, d in zip(uniq, reply.items)}
 
 
 def new_rid() -> str:

@@ -16,8 +16,10 @@ from radixflow.shared.errors import RadixflowError
 from radixflow.shared.messages import NodeResult, ProgramAccepted, ProgramEvent, ProgramNode, ProgramQuery, ProgramRequest
 
 from . import protocol as P
-from .app import CLIENT, _check_open, _finish_native, _send, _sse, _stream_error, _tenant
+from .app import CLIENT, check_open, principal, request_for
 from .client import new_rid
+from .native import finish_native
+from .sse import SSE
 
 
 class ProgramBody(P._Body, kw_only=True):
@@ -31,7 +33,7 @@ class ProgramBody(P._Body, kw_only=True):
 def node_json(r: NodeResult) -> dict:
     meta = {"prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
             "completion_tokens": r.completion_tokens,
-            "finish_reason": _finish_native(r.finish_reason, r.matched_stop, r.completion_tokens)}
+            "finish_reason": finish_native(r.finish_reason, r.matched_stop, r.completion_tokens)}
     if r.kind == "select":
         meta["scores"] = r.scores
     out = {"state": r.state, "kind": r.kind, "text": r.text, "output": r.output, "output_ids": r.output_ids,
@@ -50,18 +52,19 @@ def _dag_json(info) -> dict:
 
 
 async def post_program(request: web.Request) -> web.StreamResponse:
-    _check_open(request)
-    tenant = _tenant(request)
+    check_open(request)
+    who = principal(request)
     body: ProgramBody = P.decode_body(await request.read(), ProgramBody)
-    req = ProgramRequest(id=body.id or new_rid(), stream_subject="", nodes=body.nodes, tenant=tenant,
-                         cache_salt=body.cache_salt, stream=body.stream, timeout_s=body.timeout)
+    req = ProgramRequest(id=body.id or new_rid(), stream_subject="", nodes=body.nodes, cache_salt=body.cache_salt,
+                         stream=body.stream, timeout_s=body.timeout)
+    request_for(request, who, req)
     with log.bind_request(req.id):
         gen = request.app[CLIENT].program(req)
         try:
             acc: ProgramAccepted = await gen.__anext__()
             results: dict[str, dict] = {}
             state = "running"
-            resp = await _sse(request) if body.stream else None
+            sse = await SSE.open(request) if body.stream else None
             try:
                 async for ev in gen:
                     ev: ProgramEvent
@@ -69,37 +72,35 @@ async def post_program(request: web.Request) -> web.StreamResponse:
                         results[ev.node] = node_json(ev.result)
                     if ev.finished:
                         state = ev.status
-                    if resp is None:
+                    if sse is None:
                         continue
                     if ev.kind == "started":
-                        await _send(resp, {"event": "started", "id": acc.id, "node": ev.node})
+                        await sse.send({"event": "started", "id": acc.id, "node": ev.node})
                     elif ev.kind == "delta":
-                        await _send(resp, {"event": "delta", "id": acc.id, "node": ev.node, "text": ev.text})
+                        await sse.send({"event": "delta", "id": acc.id, "node": ev.node, "text": ev.text})
                     elif ev.kind in ("finished", "discarded"):
-                        await _send(resp, {"event": ev.kind, "id": acc.id, "node": ev.node} | results[ev.node])
+                        await sse.send({"event": ev.kind, "id": acc.id, "node": ev.node} | results[ev.node])
             except RadixflowError as e:
-                if resp is None:
+                if sse is None:
                     raise
-                await _stream_error(resp, e)
-                await _send(resp, b"[DONE]")
-                return resp
+                await sse.error(e)
+                return await sse.done()
             out = {"id": acc.id, "state": state, "nodes": results}
-            if resp is None:
+            if sse is None:
                 return web.json_response(out)
-            await _send(resp, {"event": "done"} | out)
-            await _send(resp, b"[DONE]")
-            return resp
+            await sse.send({"event": "done"} | out)
+            return await sse.done()
         finally:
             await gen.aclose()
 
 
 async def get_program(request: web.Request) -> web.Response:
-    q = ProgramQuery(id=request.match_info["id"], tenant=_tenant(request))
+    q = ProgramQuery(id=request.match_info["id"], tenant=principal(request).tenant)
     return web.json_response(_dag_json(await request.app[CLIENT].program_op("get", q)))
 
 
 async def cancel_program(request: web.Request) -> web.Response:
-    q = ProgramQuery(id=request.match_info["id"], tenant=_tenant(request), node=request.match_info.get("node"))
+    q = ProgramQuery(id=request.match_info["id"], tenant=principal(request).tenant, node=request.match_info.get("node"))
     return web.json_response(_dag_json(await request.app[CLIENT].program_op("cancel", q)))
 
 

@@ -33,6 +33,12 @@ class NativeSampling(_Body, kw_only=True):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    no_stop_trim: bool = False
+    # sent by SGLang's frontend with every gen; only their defaults are served
+    min_new_tokens: int = 0
+    stop_regex: str | list[str] | None = None
+    spaces_between_special_tokens: bool = True
     # structured output (SGLang's names; `choice` as in vLLM's guided_choice)
     json_schema: str | None = None
     regex: str | None = None
@@ -41,13 +47,18 @@ class NativeSampling(_Body, kw_only=True):
 
 
 class GenerateBody(_Body, kw_only=True):
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: NativeSampling = msgspec.field(default_factory=NativeSampling)
+    """SGLang's GenerateReqInput: one prompt, or a batch (a list of texts or of token-id lists;
+    per-prompt lists of sampling_params / return_logprob / logprob_start_len / top_logprobs_num / rid)."""
+    text: str | list[str] | None = None
+    input_ids: list[Any] | None = None                 # list[int] or list[list[int]] (msgspec has no such union)
+    sampling_params: NativeSampling | list[NativeSampling] = msgspec.field(default_factory=NativeSampling)
     stream: bool = False
-    rid: str | None = None
+    rid: str | list[str] | None = None
     cache_salt: str | None = None
-    return_logprob: bool = False
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1           # -1: no prompt logprobs (SGLang's default)
+    top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
 
 
 class StreamOptions(_Body, kw_only=True):
@@ -82,6 +93,7 @@ class _OpenAIBase(_Body, kw_only=True):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions accepted by vLLM and SGLang
+    repetition_penalty: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
     ignore_eos: bool = False
@@ -97,7 +109,7 @@ class _OpenAIBase(_Body, kw_only=True):
 
 
 class CompletionBody(_OpenAIBase, kw_only=True):
-    prompt: str | list[int]
+    prompt: str | list[Any]                   # a text, token ids, or a batch of either
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -113,6 +125,7 @@ class ChatMessageBody(_Body, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None     # a tool message: the call it answers (passed to the chat template)
 
 
 class ChatBody(_OpenAIBase, kw_only=True):
@@ -142,24 +155,39 @@ def _unsupported(cond: bool, what: str, param: str) -> None:
         raise BadRequest(f"{what} is not supported", param=param)
 
 
-def native_sampling(s: NativeSampling) -> SamplingParams:
-    _unsupported(s.n != 1, "n other than 1", "n")
-    _unsupported(s.frequency_penalty != 0 or s.presence_penalty != 0 or s.repetition_penalty != 1,
-                 "frequency/presence/repetition penalties", "frequency_penalty")
+def logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids as JSON object keys (strings)."""
+    out = {}
+    for k, v in (raw or {}).items():
+        try:
+            out[int(k)] = float(v)
+        except ValueError:
+            raise BadRequest(f"logit_bias keys are token ids, got {k!r}", param="logit_bias") from None
+    return out
+
+
+def native_sampling(s: NativeSampling, logprobs: bool = False, top: int = 0) -> SamplingParams:
+    _unsupported(s.no_stop_trim, "no_stop_trim", "no_stop_trim")
+    _unsupported(s.min_new_tokens != 0, "min_new_tokens other than 0", "min_new_tokens")
+    _unsupported(bool(s.stop_regex), "stop_regex", "stop_regex")
+    _unsupported(not s.spaces_between_special_tokens, "spaces_between_special_tokens: false",
+                 "spaces_between_special_tokens")
     return SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                           min_p=s.min_p, seed=s.seed if s.seed is not None else s.sampling_seed, stop=_stops(s.stop),
                           stop_token_ids=s.stop_token_ids or [], ignore_eos=s.ignore_eos,
-                          skip_special_tokens=s.skip_special_tokens)
+                          skip_special_tokens=s.skip_special_tokens, presence_penalty=s.presence_penalty,
+                          frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
+                          logit_bias=logit_bias(s.logit_bias), logprobs=logprobs, top_logprobs=top)
 
 
-def openai_sampling(b: _OpenAIBase, max_tokens: int | None, default_max: int) -> SamplingParams:
-    _unsupported(b.n != 1, "n other than 1", "n")
-    _unsupported(b.presence_penalty != 0 or b.frequency_penalty != 0, "presence/frequency penalties", "presence_penalty")
-    _unsupported(bool(b.logit_bias), "logit_bias", "logit_bias")
+def openai_sampling(b: _OpenAIBase, max_tokens: int | None, default_max: int, logprobs: bool = False,
+                    top: int = 0) -> SamplingParams:
     return SamplingParams(max_new_tokens=default_max if max_tokens is None else max_tokens, temperature=b.temperature,
                           top_p=b.top_p, top_k=b.top_k, min_p=b.min_p, seed=b.seed, stop=_stops(b.stop),
                           stop_token_ids=b.stop_token_ids or [], ignore_eos=b.ignore_eos,
-                          skip_special_tokens=b.skip_special_tokens)
+                          skip_special_tokens=b.skip_special_tokens, presence_penalty=b.presence_penalty,
+                          frequency_penalty=b.frequency_penalty, repetition_penalty=b.repetition_penalty,
+                          logit_bias=logit_bias(b.logit_bias), logprobs=logprobs, top_logprobs=top)
 
 
 def _one(found: list[Constraint], param: str) -> Constraint | None:
@@ -198,14 +226,31 @@ def openai_constraint(b: _OpenAIBase) -> Constraint | None:
 
 
 def completion_checks(b: CompletionBody) -> None:
-    _unsupported(b.echo, "echo", "echo")
-    _unsupported(b.logprobs is not None, "logprobs", "logprobs")
     _unsupported(b.best_of not in (None, 1), "best_of", "best_of")
     _unsupported(b.suffix is not None, "suffix", "suffix")
+    if b.logprobs is not None and not 0 <= b.logprobs <= 20:
+        raise BadRequest(f"logprobs must be in [0, 20], got {b.logprobs}", param="logprobs")
+
+
+def prompts(raw: str | list[Any]) -> list[str | list[int]]:
+    """OpenAI's prompt forms: a text, a list of texts, token ids, or a list of token-id lists."""
+    if isinstance(raw, str):
+        return [raw]
+    if not raw:
+        raise BadRequest("prompt is empty", param="prompt")
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in raw):
+        return [list(raw)]
+    if all(isinstance(x, str) for x in raw):
+        return list(raw)
+    if all(isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x) for x in raw):
+        return [list(x) for x in raw]
+    raise BadRequest("prompt must be a string, a list of strings, token ids, or a list of token-id lists",
+                      param="prompt")
 
 
 def chat_messages(b: ChatBody) -> list[ChatMessage]:
-    _unsupported(b.logprobs, "logprobs", "logprobs")
+    if b.top_logprobs is not None and not b.logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
     if not b.messages:
         raise BadRequest("messages must be a non-empty list", param="messages")
     out = []
@@ -222,5 +267,6 @@ def chat_messages(b: ChatBody) -> list[ChatMessage]:
             content = "".join(parts)
         else:
             content = m.content or ""
-        out.append(ChatMessage(role="system" if m.role == "developer" else m.role, content=content))
+        out.append(ChatMessage(role="system" if m.role == "developer" else m.role, content=content,
+                               tool_call_id=m.tool_call_id, name=m.name))
     return out

@@ -10,9 +10,9 @@ from radixflow.shared import subjects
 from radixflow.shared.actor import Actor
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import GatewayConfig, ServiceConfig
-from radixflow.shared.messages import Heartbeat
+from radixflow.shared.messages import Heartbeat, Sample
 
-from .app import DRAINING, make_app
+from .app import DRAINING, make_app, tenant_samples
 from .client import EngineClient
 
 
@@ -63,3 +63,6 @@ class GatewayService(Actor):
 
     def status(self) -> dict:
         return {"port": self.port, "inflight_http": self._inflight}
+
+    def metrics(self) -> list[Sample]:
+        return [Sample(name="http_inflight", value=self._inflight)] + tenant_samples(self.app)

@@ -21,6 +21,20 @@ that key until RadixStep.unpins names it (its children have all been admitted an
 themselves; the scheduler's CacheHints reach radix through the executor) or the pin's deadline. A cancelled branch (`discard`) and a lost select choice (`demote`) have their
 private pages marked oldest in the LRU: the first to go under memory pressure.
 
+Page quotas (Candidate.quota_pages > 0) keep one tenant's load from evicting another tenant's hot
+prefixes. They count, per owner (the scope before a namespace's first "/"), the pages its
+namespaces keep in the tree:
+- a candidate whose owner is at its quota and needs more pages than are free evicts the owner's
+  own least recent unlocked leaves first: what it will cache replaces what it cached before;
+- a release that leaves its owner over quota evicts the owner's own LRU leaves down to the quota;
+- hybrid: a candidate with a quota short of state slots drops its owner's own checkpoints first.
+So an owner with a quota keeps beyond it only what its running requests and pins lock (trimmed at
+its next release), and others' pages go only under global pressure: from owners without a quota
+(plain LRU, as without quotas), or when an owner with one needs more than the free pages plus its
+own unlocked cache (its requests' private pages, which the scheduler's per-tenant limits bound).
+Deferring it instead could wait forever: its remaining pages may be locked by the very prefix it
+matched.
+
 With cache=False (--disable-radix-cache) nothing is matched or inserted: the same engine without
 sharing, the baseline every cache claim is measured against.
 """
@@ -34,7 +48,7 @@ from dataclasses import dataclass, field
 from radixflow.shared.messages import (Candidate, Deferred, Demote, Grant, Progress, RadixStep, RadixStepReply,
                                        Release)
 
-from .tree import Evicted, Node, RadixTree
+from .tree import Evicted, Node, RadixTree, owner_of
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -53,6 +67,7 @@ class Held:
     working: int = -1                # state slots (hybrid)
     tail: int = -1
     planned: dict[int, int] = field(default_factory=dict)   # checkpoint position -> slot
+    quota: int = 0                   # > 0: its owner may keep at most this many cached pages
 
 
 class PagePool:
@@ -78,7 +93,8 @@ class PagePool:
         self.pins: dict[str, tuple[Node, float]] = {}     # key -> (locked node, monotonic deadline)
         self._unpinned: deque[str] = deque(maxlen=4096)   # unpinned before their release arrived
         self.counters = {"evicted_pages_total": 0, "state_checkpoints_total": 0, "state_restores_total": 0,
-                         "state_recomputed_tokens_total": 0, "evicted_states_total": 0}
+                         "state_recomputed_tokens_total": 0, "evicted_states_total": 0,
+                         "quota_evicted_pages_total": 0}
 
     # ------------------------------------------------------------ accounting
 
@@ -90,20 +106,30 @@ class PagePool:
     def private_pages(self) -> int:
         return self.num_pages - self.free_pages - self.tree.cached_pages
 
-    def _freed(self, ev: Evicted) -> None:
+    def _freed(self, ev: Evicted, quota: bool = False) -> None:
         self._release_pages(ev.pages)
         self._free_states.extend(ev.states)
         self.counters["evicted_pages_total"] += len(ev.pages)
         self.counters["evicted_states_total"] += len(ev.states)
+        if quota:
+            self.counters["quota_evicted_pages_total"] += len(ev.pages)
 
-    def _alloc(self, n: int) -> list[int] | None:
+    def _alloc(self, n: int, namespace: str = "", quota: int = 0) -> list[int] | None:
+        owner = owner_of(namespace)
+        if n > len(self._free) and quota > 0 and self.tree.owner_pages.get(owner, 0) >= quota:
+            self._freed(self.tree.evict(n - len(self._free), [owner]), quota=True)
         if n > len(self._free):
             self._freed(self.tree.evict(n - len(self._free)))
         if n > len(self._free):
             return None
         return [heapq.heappop(self._free) for _ in range(n)]
 
-    def _alloc_states(self, n: int) -> list[int] | None:
+    def _alloc_states(self, n: int, namespace: str = "", quota: int = 0) -> list[int] | None:
+        if n > len(self._free_states) and quota > 0:
+            # hybrid: a checkpoint dropped leaves its prefix unresumable, so the same rule as for pages
+            dropped = self.tree.evict_states(n - len(self._free_states), [owner_of(namespace)])
+            self.counters["evicted_states_total"] += len(dropped)
+            self._free_states.extend(dropped)
         if n > len(self._free_states):
             dropped = self.tree.evict_states(n - len(self._free_states))
             self.counters["evicted_states_total"] += len(dropped)
@@ -192,15 +218,17 @@ class PagePool:
         cached_pages = m.pages[: cached // self.page_size] if m else []
         plan = self._plan(c.token_ids, cached, m.length if m else 0, c.checkpoint_at) if self.hybrid else []
         self.tree.lock(node)
-        fresh = self._alloc(pages_for(len(c.token_ids) + c.reserve, self.page_size) - len(cached_pages))
-        slots = self._alloc_states(2 + len(plan)) if self.hybrid and fresh is not None else []
+        fresh = self._alloc(pages_for(len(c.token_ids) + c.reserve, self.page_size) - len(cached_pages),
+                            c.namespace, c.quota_pages)
+        slots = self._alloc_states(2 + len(plan), c.namespace, c.quota_pages) \
+            if self.hybrid and fresh is not None else []
         if fresh is None or slots is None:
             self.tree.unlock(node)
             if fresh:
                 self._release_pages(fresh)
             return None
         pages = cached_pages + fresh
-        h = Held(c.namespace, list(c.token_ids), pages, node, cached, cached, nxt)
+        h = Held(c.namespace, list(c.token_ids), pages, node, cached, cached, nxt, quota=c.quota_pages)
         g = Grant(rid=c.rid, cached_tokens=cached, pages=pages)
         if self.hybrid:
             h.working, h.tail, h.planned = slots[0], slots[1], dict(zip(plan, slots[2:]))
@@ -290,6 +318,15 @@ class PagePool:
         k = h.inserted // self.page_size
         kept = set(self.tree.match(h.namespace, h.tokens[:h.inserted], split=False).pages)
         self._release_pages([p for p in h.pages[:k] if p not in kept] + h.pages[k:])
+        # only now: pages evicted before this point could be freed twice (as evicted and as not kept)
+        self._trim(h)
+
+    def _trim(self, h: Held) -> None:
+        """Evict the owner's own least recent unlocked pages down to its quota."""
+        owner = owner_of(h.namespace)
+        over = self.tree.owner_pages.get(owner, 0) - h.quota
+        if h.quota > 0 and over > 0:
+            self._freed(self.tree.evict(over, [owner]), quota=True)
 
     # ------------------------------------------------------------ programs: pins and demotion
 
@@ -327,12 +364,18 @@ class PagePool:
                 node = node.parent
         return sum(len(n.pages) for n in self.tree.nodes() if id(n) in seen)
 
-    def flush(self) -> int:
-        ev = self.tree.flush()
+    def flush(self, scopes: list[str] | None = None) -> int:
+        """Free every unlocked cached page, or only those of the namespaces these scopes own
+        ("alpha" flushes "alpha" and every "alpha/<salt>"); returns the pages freed."""
+        ev = self.tree.flush(scopes or None)
         self._freed(ev)
         self.counters["evicted_pages_total"] -= len(ev.pages)      # a flush is not pressure
         self.counters["evicted_states_total"] -= len(ev.states)
         return len(ev.pages)
+
+    def cached_by_scope(self) -> dict[str, int]:
+        """Pages each owner's namespaces keep in the tree (what a page quota limits)."""
+        return dict(self.tree.owner_pages)
 
     def stats(self) -> dict[str, int]:
         out = {"kv_pages_total": self.num_pages, "kv_pages_free": self.free_pages,

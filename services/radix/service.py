@@ -56,7 +56,7 @@ class RadixService(Actor):
 
     async def flush(self, req: RadixFlush) -> RadixFlushed:
         names = list(self.pools) if req.pool is None else [req.pool]
-        return RadixFlushed(freed_pages=sum(self.pools[n].flush() for n in names if n in self.pools))
+        return RadixFlushed(freed_pages=sum(self.pools[n].flush(req.scopes) for n in names if n in self.pools))
 
     async def place(self, req: RadixPlace) -> RadixPlaceReply:
         return RadixPlaceReply(cached_tokens={p: self.pools[p].match_len(req.namespace, req.token_ids)
@@ -89,7 +89,10 @@ class RadixService(Actor):
             for key in ("kv_pages_used", "kv_pages_total", "kv_pages_evictable", "kv_pages_cached", "kv_pages_pinned",
                         "pins", "evicted_pages_total",
                         "state_slots_used", "state_slots_total", "state_slots_cached", "state_checkpoints_total",
-                        "state_restores_total", "state_recomputed_tokens_total", "evicted_states_total"):
+                        "state_restores_total", "state_recomputed_tokens_total", "evicted_states_total",
+                        "quota_evicted_pages_total"):
                 if key in st:
                     out.append(Sample(name=key, value=st[key], labels={"pool": name}))
+            out += [Sample(name="scope_kv_pages_cached", value=v, labels={"pool": name, "scope": scope})
+                    for scope, v in sorted(pool.cached_by_scope().items())]
         return out

@@ -8,6 +8,9 @@
 - lock counts propagate to the root: a node with lock == 0 has no locked descendant, so every page
   of an unlocked node is evictable, eventually (leaves first);
 - evict frees least-recently-used unlocked leaves, repeatedly, until enough pages are free;
+  restricted to some owners it never touches another owner's leaves (quotas, scoped flush);
+- a namespace is "scope" or "scope/salt"; its owner is the scope, and the tree counts the pages
+  each owner keeps (`owner_pages`), which is what a tenant's page quota limits;
 - for hybrid models a node may also carry a state slot: the recurrent state after its last token.
   A prefix is resumable only up to the deepest node with a state (`Match.state_len`). States have
   an LRU of their own (`evict_states`): dropping a state keeps the node's KV, and a node without a
@@ -19,9 +22,14 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple
+from typing import Collection, Iterator, NamedTuple
 
 _clock = itertools.count()
+
+
+def owner_of(namespace: str) -> str:
+    """The scope a cache namespace belongs to: "alpha" for "alpha" and for "alpha/<salt>"."""
+    return namespace.split("/", 1)[0]
 
 
 @dataclass(eq=False)
@@ -59,6 +67,7 @@ class RadixTree:
         self.roots: dict[str, Node] = {}
         self.cached_pages = 0        # pages held by the tree
         self.evictable_pages = 0     # pages held by unlocked nodes
+        self.owner_pages: dict[str, int] = {}   # owner (see owner_of) -> pages its namespaces hold
 
     def root(self, namespace: str) -> Node:
         r = self.roots.get(namespace)
@@ -113,6 +122,7 @@ class RadixTree:
             node.children[leaf.key[:ps]] = leaf
             self.cached_pages += len(leaf.pages)
             self.evictable_pages += len(leaf.pages)
+            self._count(namespace, len(leaf.pages))
             node = leaf
         return node
 
@@ -163,10 +173,18 @@ class RadixTree:
 
     # ------------------------------------------------------------ eviction
 
-    def evict(self, n_pages: int) -> Evicted:
+    def _count(self, namespace: str, pages: int) -> None:
+        owner = owner_of(namespace)
+        left = self.owner_pages.get(owner, 0) + pages
+        if left:
+            self.owner_pages[owner] = left
+        else:
+            self.owner_pages.pop(owner, None)
+
+    def evict(self, n_pages: int, owners: Collection[str] | None = None) -> Evicted:
         """Free at least n_pages (fewer if not enough are unlocked), LRU leaves first; a leaf's
-        state slot goes with it."""
-        heap = [(n.last_access, id(n), n) for n in self.nodes() if not n.children and n.lock == 0]
+        state slot goes with it. With `owners`, only leaves of those owners' namespaces."""
+        heap = [(n.last_access, id(n), n) for n in self.nodes(owners) if not n.children and n.lock == 0]
         heapq.heapify(heap)
         freed: list[int] = []
         states: list[int] = []
@@ -180,13 +198,16 @@ class RadixTree:
             del parent.children[leaf.key[:self.page_size]]
             self.cached_pages -= len(leaf.pages)
             self.evictable_pages -= len(leaf.pages)
+            self._count(leaf.namespace, -len(leaf.pages))
             if not parent.children and parent.lock == 0 and not parent.is_root:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return Evicted(freed, states)
 
-    def evict_states(self, n: int) -> list[int]:
-        """Drop the states of up to n unlocked nodes, least recently used first; their KV stays."""
-        cands = sorted((x for x in self.nodes() if x.state is not None and x.lock == 0), key=lambda x: x.last_access)
+    def evict_states(self, n: int, owners: Collection[str] | None = None) -> list[int]:
+        """Drop the states of up to n unlocked nodes (of `owners`' namespaces, if given), least
+        recently used first; their KV stays."""
+        cands = sorted((x for x in self.nodes(owners) if x.state is not None and x.lock == 0),
+                       key=lambda x: x.last_access)
         out = []
         for x in cands[:n]:
             out.append(x.state)
@@ -207,9 +228,9 @@ class RadixTree:
             n = n.parent
         return pages
 
-    def flush(self) -> Evicted:
-        """Free every unlocked page (and the states of those nodes)."""
-        return self.evict(self.evictable_pages)
+    def flush(self, owners: Collection[str] | None = None) -> Evicted:
+        """Free every unlocked page (and the states of those nodes), or only those of `owners`."""
+        return self.evict(self.evictable_pages, owners)
 
     def set_state(self, node: Node, slot: int) -> bool:
         """Attach a checkpoint to `node`; False if it already has one (the caller keeps its slot)."""
@@ -220,8 +241,10 @@ class RadixTree:
 
     # ------------------------------------------------------------ inspection
 
-    def nodes(self) -> Iterator[Node]:
-        stack = [c for r in self.roots.values() for c in r.children.values()]
+    def nodes(self, owners: Collection[str] | None = None) -> Iterator[Node]:
+        """Every node but the roots; with `owners`, only those in these owners' namespaces."""
+        roots = [r for ns, r in self.roots.items() if owners is None or owner_of(ns) in owners]
+        stack = [c for r in roots for c in r.children.values()]
         while stack:
             n = stack.pop()
             yield n

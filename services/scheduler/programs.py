@@ -27,6 +27,7 @@ from .graph import Limits, Node, ProgramGraph, constraint_of
 from .policy import Job, ProgramPolicy
 from .structured import OutputCheck
 from .table import Tracked, namespace_of
+from .tenants import Ticket
 
 if TYPE_CHECKING:
     from .service import SchedulerService
@@ -39,6 +40,7 @@ class ProgramRun:
 
     def __init__(self, req: ProgramRequest, graph: ProgramGraph, namespace: str, timeout_s: float):
         self.id, self.subject, self.stream, self.tenant = req.id, req.stream_subject, req.stream, req.tenant
+        self.json = req.json_stream
         self.graph = graph
         self.namespace = namespace
         self.timeout_s = timeout_s
@@ -51,6 +53,14 @@ class ProgramRun:
         self.choices: dict[str, dict[int, tuple[list[float], int, int]]] = {}  # select -> choice -> (lps, prompt, cached)
         self.choice_ids: dict[str, list[list[int]]] = {}
         self.ended = False
+        self.quota_pages = req.limits.max_cached_pages if req.limits else 0
+        self.ticket: Ticket | None = None    # the program is one request to its tenant's limits
+
+    @staticmethod
+    def budget(graph: ProgramGraph) -> int:
+        """What the tenant's limits count: every node's tokens known at submission plus every token
+        it may generate (joins' and choices' texts, known only later, are left out)."""
+        return sum(len(n.own_ids or ()) + (n.spec.gen.max_tokens if n.spec.gen else 0) for n in graph.order)
 
     def rid(self, n: Node, job: Job) -> str:
         return f"{self.id}/{n.id}{job.suffix}"
@@ -97,9 +107,14 @@ class ProgramDriver:
             if n.spec.parent is None and not n.own_ids:
                 raise BadRequest(f"node {n.id!r}: its text tokenizes to nothing", param="nodes")
         graph.check_tokens(min(e.info.max_model_len for e in live), min(e.info.vocab_size for e in live))
-        run = ProgramRun(req, graph, namespace_of(req.tenant, req.cache_salt),
+        run = ProgramRun(req, graph, namespace_of(req.cache_scope or req.tenant, req.cache_salt),
                          req.timeout_s if req.timeout_s > 0 else cfg.request_timeout_s)
-        await self._compile(run)
+        run.ticket = self.sched.tenants.admit(req.tenant, req.limits, ProgramRun.budget(graph), param="nodes")
+        try:
+            await self._compile(run)
+        except BaseException:
+            self.sched.tenants.release(run.ticket)
+            raise
         self.runs[run.id] = run
         self._spawn(self.advance(run))
         return ProgramAccepted(id=run.id, scheduler=self.sched.instance, nodes=len(graph.nodes))
@@ -196,7 +211,7 @@ class ProgramDriver:
         req = ExecRequest(rid=rid, input_ids=job.input_ids, sampling=job.sampling, namespace=run.namespace,
                           checkpoint_at=job.checkpoint_at, grammar_key=key, priority=job.priority,
                           pin=rid if job.pin else "", pin_ttl_s=remaining + 5, logprob_start=job.logprob_start,
-                          after=job.after)
+                          after=job.after, quota_pages=run.quota_pages)
         run.requests[rid] = (n, job)
         if job.pin:
             n.pinned = True
@@ -334,6 +349,8 @@ class ProgramDriver:
             return
         run.ended = True
         self.runs.pop(run.id, None)
+        if run.ticket is not None:
+            self.sched.tenants.release(run.ticket)
         for n in run.graph.nodes.values():
             n.pinned = False
         await self._unpin_keys([p for pins in run.pins.values() for p in pins])
@@ -395,11 +412,11 @@ class ProgramDriver:
     async def _emit(self, run: ProgramRun, ev: ProgramEvent) -> None:
         ev.seq = run.seq
         run.seq += 1
-        await self._publish(run.subject, ev)
+        await self._publish(run.subject, ev, run.json)
 
-    async def _publish(self, subject: str, msg) -> None:
+    async def _publish(self, subject: str, msg, as_json: bool = False) -> None:
         try:
-            await self.sched.bus.publish(subject, msg)
+            await self.sched.bus.publish(subject, msg, as_json)
         except RadixflowError as e:
             self.log.error("program message not sent", subject=subject, error=e.message)
 

@@ -1,7 +1,7 @@
 """Scheduler service: request lifecycle, and the guarantee that every accepted request gets exactly
 one terminal event on its stream (a finished chunk or a StreamError), whatever else fails.
 
-    submit:  validate -> tokenize -> pick executor -> track -> ExecRequest -> Accepted
+    submit:  validate -> tokenize -> tenant limits -> pick executor -> track -> ExecRequest -> Accepted
     output:  StepOutput (one per executor step) -> one batched detokenize -> stop strings -> chunks
     watch:   an executor without heartbeat is dead: its requests end in 503; a request past its
              deadline ends in 504 (and is aborted on its executor)
@@ -30,6 +30,7 @@ from .programs import ProgramDriver
 from .siblings import Siblings, child_rid
 from .structured import OutputCheck, check_constraint
 from .table import RequestTable, Tracked, namespace_of
+from .tenants import RETRY_AFTER_S, TenantLedger, Ticket
 
 
 @dataclass
@@ -49,6 +50,7 @@ class SchedulerService(Actor):
         self.table = RequestTable()
         self.executors: dict[str, ExecutorState] = {}
         self.siblings: dict[str, Siblings] = {}     # rid of a request with n > 1 -> its children
+        self.tenants = TenantLedger()
         self._eos: list[int] | None = None
         self.output_subject = subjects.scheduler_output(self.instance)
         self.route(subjects.SCHEDULER_SUBMIT, GenerateRequest, self.submit, queue="scheduler")
@@ -74,7 +76,8 @@ class SchedulerService(Actor):
                 "executors": {k: msgspec.to_builtins(v.info) for k, v in self.executors.items()}}
 
     def metrics(self) -> list[Sample]:
-        return [Sample(name="requests_inflight", value=len(self.table))] + self.programs.metrics()
+        return [Sample(name="requests_inflight", value=len(self.table))] + self.programs.metrics() \
+            + self.tenants.samples()
 
     # ------------------------------------------------------------ executors
 
@@ -134,7 +137,7 @@ class SchedulerService(Actor):
 
     def check_room(self) -> None:
         if len(self.table) >= self.cfg.max_queued_requests:
-            raise Overloaded(f"{len(self.table)} requests in flight; try again later")
+            raise Overloaded(f"{len(self.table)} requests in flight; try again later", retry_after=RETRY_AFTER_S)
 
     async def submit(self, req: GenerateRequest) -> Accepted:
         check_request(req)
@@ -148,32 +151,41 @@ class SchedulerService(Actor):
             ids = (await self.encode(text=req.text, messages=req.messages)).input_ids
             if not ids:
                 raise BadRequest("the prompt tokenizes to nothing", param="text")
-        grammar_key, check = await self.compile(req.constraint)
-        namespace = namespace_of(req.tenant, req.cache_salt)
-        ex = await self.place(live, namespace, ids)
-        deadline = time.monotonic() + self.cfg.request_timeout_s
-        exec_req = ExecRequest(rid=req.rid, input_ids=ids, sampling=req.sampling, namespace=namespace,
-                               grammar_key=grammar_key, logprob_start=req.logprob_start)
-        if req.n == 1:
-            await self.dispatch(ex, exec_req, Tracked(
-                rid=req.rid, stream_subject=req.stream_subject, executor=ex.instance, prompt_tokens=len(ids),
-                sampling=req.sampling, deadline=deadline, stream=req.stream, check=check))
-        else:
-            await self._fan_out(ex, req, exec_req, check, deadline)
+        ticket = self.tenants.admit(req.tenant, req.limits, len(ids) + req.sampling.max_new_tokens * req.n)
+        try:
+            grammar_key, check = await self.compile(req.constraint)
+            namespace = namespace_of(req.cache_scope or req.tenant, req.cache_salt)
+            ex = await self.place(live, namespace, ids)
+            deadline = time.monotonic() + self.cfg.request_timeout_s
+            start = min(req.logprob_start, len(ids) - 1) if req.logprob_start >= 0 else -1   # past the end: the last
+            exec_req = ExecRequest(rid=req.rid, input_ids=ids, sampling=req.sampling, namespace=namespace,
+                                   quota_pages=req.limits.max_cached_pages if req.limits else 0,
+                                   grammar_key=grammar_key, logprob_start=start)
+            if req.n == 1:
+                await self.dispatch(ex, exec_req, Tracked(
+                    rid=req.rid, stream_subject=req.stream_subject, executor=ex.instance, prompt_tokens=len(ids),
+                    sampling=req.sampling, deadline=deadline, stream=req.stream, check=check, ticket=ticket,
+                    json=req.json_stream,
+                    prompt_ids=ids[start:] if start >= 0 else []))
+            else:
+                await self._fan_out(ex, req, exec_req, check, deadline, ticket)
+        finally:
+            self.tenants.release(ticket)   # the submission's hold; its tracked entries hold it from here on
         return Accepted(rid=req.rid, prompt_tokens=len(ids), executor=ex.instance, scheduler=self.instance)
 
     async def _fan_out(self, ex: ExecutorState, req: GenerateRequest, exec_req: ExecRequest,
-                       check: OutputCheck | None, deadline: float) -> None:
+                       check: OutputCheck | None, deadline: float, ticket: Ticket) -> None:
         """n > 1: a prefill-only parent, then n children that the executor admits after its release
         (siblings.py). A refused parent refuses the request; a refused child fails the stream."""
         if req.rid in self.siblings or any(r in self.table for r in (child_rid(req.rid, i) for i in range(req.n))):
             raise BadRequest(f"request id {req.rid!r} is already in flight", param="rid")
-        group = Siblings(self, req.rid, req.stream_subject, req.n)
+        group = Siblings(self, req.rid, req.stream_subject, req.n, req.json_stream)
         ids = exec_req.input_ids
         parent_sampling = msgspec.structs.replace(req.sampling, max_new_tokens=0, logprobs=False)
         await self.dispatch(ex, msgspec.structs.replace(exec_req, sampling=parent_sampling, grammar_key=None), Tracked(
             rid=req.rid, stream_subject="", executor=ex.instance, prompt_tokens=len(ids), sampling=parent_sampling,
-            deadline=deadline, stream=False, sink=group.on_parent))
+            deadline=deadline, stream=False, sink=group.on_parent, ticket=ticket,
+            prompt_ids=exec_req.input_ids[exec_req.logprob_start:] if exec_req.logprob_start >= 0 else []))
         self.siblings[req.rid] = group
 
         async def child(i: int) -> None:
@@ -184,7 +196,7 @@ class SchedulerService(Actor):
                 await self.dispatch(ex, msgspec.structs.replace(exec_req, rid=rid, sampling=sampling, logprob_start=-1,
                                                                 after=req.rid), Tracked(
                     rid=rid, stream_subject="", executor=ex.instance, prompt_tokens=len(ids), sampling=sampling,
-                    deadline=deadline, stream=req.stream, check=check,
+                    deadline=deadline, stream=req.stream, check=check, ticket=ticket,
                     sink=lambda item: group.on_child(i, item)))
             except RadixflowError as e:
                 await group.on_child(i, StreamError(rid=rid, seq=0, code=e.code, kind=e.kind, message=e.message))
@@ -286,16 +298,16 @@ class SchedulerService(Actor):
         if t.sink is not None:
             await t.sink(item)
             return
-        await self.publish_stream(t.stream_subject, t.rid, item)
+        await self.publish_stream(t.stream_subject, t.rid, item, t.json)
 
-    async def publish_stream(self, subject: str, rid: str, item: StreamChunk | StreamError) -> None:
+    async def publish_stream(self, subject: str, rid: str, item: StreamChunk | StreamError, as_json: bool) -> None:
         try:
-            await self.bus.publish(subject, item)
+            await self.bus.publish(subject, item, as_json)
         except RadixflowError as e:
             self.log.error("stream item not sent", rid=rid, error=e.message)
             if isinstance(item, StreamChunk) and item.finished:   # oversize: the client still gets a terminal event
                 await self.bus.publish(subject, StreamError(rid=rid, seq=item.seq, code=e.code, kind=e.kind,
-                                                            message=f"the result could not be sent: {e.message}"))
+                                                            message=f"the result could not be sent: {e.message}"), as_json)
 
     async def abort_rids(self, rids: list[str]) -> None:
         """Stop these requests without a terminal event of their own (their stream already ended)."""
@@ -311,7 +323,7 @@ class SchedulerService(Actor):
         self._release(t)
         await self._send(t, t.take(text, finished=True, finish_reason=reason, matched_stop=matched, usage=Usage(
             prompt_tokens=t.prompt_tokens, completion_tokens=len(t.output_ids), cached_tokens=t.cached_tokens),
-            input_logprobs=t.input_logprobs, input_top_logprobs=t.input_top_logprobs))
+            input_logprobs=t.input_logprobs, input_top_logprobs=t.input_top_logprobs, input_ids=t.prompt_ids))
 
     async def _fail(self, t: Tracked, code: int, kind: str, message: str, abort: bool = False) -> None:
         if self.table.finish(t.rid) is None:

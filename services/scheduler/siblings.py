@@ -25,8 +25,8 @@ def child_rid(rid: str, index: int) -> str:
 
 
 class Siblings:
-    def __init__(self, sched: "SchedulerService", rid: str, subject: str, n: int):
-        self.sched, self.rid, self.subject, self.n = sched, rid, subject, n
+    def __init__(self, sched: "SchedulerService", rid: str, subject: str, n: int, as_json: bool = False):
+        self.sched, self.rid, self.subject, self.n, self.json = sched, rid, subject, n, as_json
         self.remaining = n
         self.seq = 0
         self.ended = False
@@ -67,7 +67,8 @@ class Siblings:
                 if self.input_logprobs is not None:
                     item.input_logprobs = self.input_logprobs.input_logprobs
                     item.input_top_logprobs = self.input_logprobs.input_top_logprobs
+                    item.input_ids = self.input_logprobs.input_ids
         await self._publish(item)
 
     async def _publish(self, item: StreamChunk | StreamError) -> None:
-        await self.sched.publish_stream(self.subject, self.rid, item)
+        await self.sched.publish_stream(self.subject, self.rid, item, self.json)

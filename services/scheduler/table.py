@@ -1,5 +1,7 @@
 """RequestTable: every accepted, unfinished request, and the rule that each gets exactly one
-terminal event: `finish` removes the entry, so whatever arrives for it later is ignored."""
+terminal event: `finish` removes the entry, so whatever arrives for it later is ignored. It is also
+the one place a request leaves, so a tracked request's tenant ticket (tenants.py) is held from
+`add` to `finish`."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
@@ -9,11 +11,13 @@ from radixflow.shared.messages import SamplingParams, StreamChunk, StreamError, 
 
 from .stops import StopMatcher
 from .structured import OutputCheck
+from .tenants import Ticket
 
 
-def namespace_of(tenant: str, cache_salt: str | None) -> str:
-    """The cache namespace: pages are shared only within one."""
-    return tenant + (f"/{cache_salt}" if cache_salt else "")
+def namespace_of(scope: str, cache_salt: str | None) -> str:
+    """The cache namespace: pages are shared only within one. `scope` is the request's
+    cache_scope, or its tenant when it has none; radix's page quotas count per scope."""
+    return scope + (f"/{cache_salt}" if cache_salt else "")
 
 
 @dataclass(eq=False)
@@ -36,10 +40,13 @@ class Tracked:
     text: str = ""                # the released text so far (kept only when `check` needs it)
     input_logprobs: list[float] = field(default_factory=list)
     input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    json: bool = False            # the client asked for JSON stream items (public NATS API)
+    prompt_ids: list[int] = field(default_factory=list)            # from logprob_start: returned with their logprobs
     logprobs: list[float] = field(default_factory=list)            # aligned with output_ids (when asked)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     # where the stream items go instead of `stream_subject`: a program's node (programs.py)
     sink: Callable[[StreamChunk | StreamError], Awaitable[None]] | None = None
+    ticket: Ticket | None = None  # its tenant's accounting, released when it leaves the table
 
     def __post_init__(self) -> None:
         self.stops = StopMatcher(self.sampling.stop)
@@ -75,13 +82,18 @@ class RequestTable:
         if t.rid in self._live:
             raise KeyError(f"request id {t.rid!r} is already in flight")
         self._live[t.rid] = t
+        if t.ticket is not None:
+            t.ticket.hold()
 
     def get(self, rid: str) -> Tracked | None:
         return self._live.get(rid)
 
     def finish(self, rid: str) -> Tracked | None:
         """Remove and return the request; None if it already ended (its terminal event was sent)."""
-        return self._live.pop(rid, None)
+        t = self._live.pop(rid, None)
+        if t is not None and t.ticket is not None:
+            t.ticket.release()
+        return t
 
     def on_executor(self, executor: str) -> list[Tracked]:
         return [t for t in self._live.values() if t.executor == executor]

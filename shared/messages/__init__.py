@@ -8,7 +8,7 @@ of them are generated into schemas/ (`radixflow schemas`) and a test fails when 
 from __future__ import annotations
 
 from . import programs, radix, requests, service
-from .base import Msg, decode, encode
+from .base import JSON, Msg, decode, decode_json, encode, encode_json
 from .programs import *  # noqa: F401,F403
 from .radix import *  # noqa: F401,F403
 from .requests import *  # noqa: F401,F403
@@ -19,4 +19,4 @@ ALL: tuple[type[Msg], ...] = tuple(
     if isinstance(v, type) and issubclass(v, Msg) and v is not Msg and v.__module__ == m.__name__
 )
 
-__all__ = ["ALL", "Msg", "decode", "encode"] + [c.__name__ for c in ALL]
+__all__ = ["ALL", "JSON", "Msg", "decode", "decode_json", "encode", "encode_json"] + [c.__name__ for c in ALL]

@@ -26,3 +26,17 @@ def decode(data: bytes, typ: Any) -> Any:
     if dec is None:
         dec = _decoders[typ] = msgspec.msgpack.Decoder(typ)
     return dec.decode(data)
+
+
+# The public NATS API also speaks JSON (a request with header Content-Type: application/json is
+# answered, and streamed to, in JSON); the tag field is "type" with the class name, as in msgpack.
+JSON = "application/json"
+_json_encoder = msgspec.json.Encoder()
+
+
+def encode_json(msg: Msg) -> bytes:
+    return _json_encoder.encode(msg)
+
+
+def decode_json(data: bytes, typ: Any) -> Any:
+    return msgspec.json.decode(data, type=typ)

@@ -47,6 +47,8 @@ class TenantLimits(Msg):
 class ChatMessage(Msg):
     role: str
     content: str
+    tool_call_id: str | None = None   # a tool message: the call it answers (the chat template renders it)
+    name: str | None = None
 
 
 # ---------------------------------------------------------------- gateway -> scheduler
@@ -69,6 +71,7 @@ class GenerateRequest(Msg):
     constraint: Constraint | None = None
     logprob_start: int = -1           # >= 0: the last chunk carries the prompt tokens' logprobs from here on
     n: int = 1                        # > 1: n completions of one prompt (prefilled once), chunks carry `index`
+    json_stream: bool = False         # stream items in JSON (set when the request itself came as JSON)
 
 
 class Accepted(Msg):

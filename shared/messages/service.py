@@ -15,6 +15,7 @@ class ErrorReply(Msg):
     kind: str
     message: str
     param: str | None = None
+    retry_after: float | None = None  # 429: seconds to wait before trying again (HTTP Retry-After)
 
 
 class StatusRequest(Msg):

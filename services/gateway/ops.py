@@ -1,0 +1,97 @@
+"""Operations: /health, /metrics (Prometheus), /v1/memory, /flush_cache, /openapi.json."""
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from radixflow.shared import subjects
+from radixflow.shared.errors import RadixflowError
+from radixflow.shared.messages import MemoryReply, MetricsReply, RadixFlush, RadixFlushed, StatusReply, StatusRequest
+
+from . import protocol as P
+from .app import BUS, CLIENT, CONFIG, DRAINING, KEYS, principal
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 only when every service answers its status request and an executor is serving a model
+    (known to both the scheduler and this gateway, so a request sent now can run)."""
+    bus, cfg = request.app[BUS], request.app[CONFIG]
+
+    async def ask(service: str) -> StatusReply | None:
+        try:
+            return await bus.request(subjects.status(service), StatusRequest(), StatusReply, timeout=cfg.health_timeout_s)
+        except RadixflowError:
+            return None
+    names = [s for s in subjects.SERVICES if s != "gateway"]
+    replies = dict(zip(names, await asyncio.gather(*(ask(s) for s in names))))
+    ok = {n: r is not None for n, r in replies.items()}
+    ok["scheduler"] = ok["scheduler"] and bool(replies["scheduler"].detail.get("executors"))
+    ok["executor"] = ok["executor"] and bool(request.app[CLIENT].models())
+    ok["gateway"] = not request.app[DRAINING].is_set()
+    healthy = all(ok.values())
+    return web.json_response({"status": "ok" if healthy else "unavailable", "services": ok}, status=200 if healthy else 503)
+
+
+class FlushBody(P._Body, kw_only=True):
+    all: bool = False                 # admin: every tenant's cache
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """Empty the unlocked KV pages of the caller's cache namespaces (what running requests hold
+    stays). Every tenant's: an admin key with {"all": true}, or auth off."""
+    who = principal(request)
+    raw = await request.read()
+    body = P.decode_body(raw, FlushBody) if raw.strip() else FlushBody()
+    if body.all:
+        who.require_admin("flushing every tenant's cache")
+    everything = body.all or not request.app[KEYS]      # auth off: there is one tenant
+    scopes = [] if everything else [who.scope]
+    out = await request.app[BUS].request(subjects.RADIX_FLUSH, RadixFlush(scopes=scopes), RadixFlushed, timeout=10)
+    return web.json_response({"message": "cache flushed", "freed_pages": out.freed_pages,
+                              "scopes": scopes or "all"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text: every instance's samples, gathered over the bus."""
+    replies = await request.app[BUS].gather(subjects.METRICS, StatusRequest(), MetricsReply, window_s=0.2)
+    by_name: dict[str, list[str]] = {}
+    for r in sorted(replies, key=lambda r: (r.service, r.instance)):
+        for s in r.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            by_name.setdefault(s.name, []).append(f"radixflow_{s.name}{{{labels}}} {s.value:g}")
+    lines = []
+    for name in sorted(by_name):
+        lines.append(f"# TYPE radixflow_{name} {'counter' if name.endswith('_total') else 'gauge'}")
+        lines.extend(by_name[name])
+    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
+                        headers={"X-Content-Type-Options": "nosniff"})
+
+
+async def memory(request: web.Request) -> web.Response:
+    """Realized memory of every executor (bytes per token, per state slot, dtypes, pool sizes) with
+    its pool's occupancy as the radix service sees it."""
+    principal(request)
+    bus = request.app[BUS]
+    reports = await bus.gather(subjects.MEMORY, StatusRequest(), MemoryReply, window_s=0.2)
+    try:
+        pools = (await bus.request(subjects.status("radix"), StatusRequest(), StatusReply, timeout=2)).detail.get("pools", {})
+    except RadixflowError:
+        pools = {}
+    return web.json_response({"executors": [
+        {"instance": r.instance, "model": r.model} | r.report | {"occupancy": pools.get(r.instance, {})}
+        for r in sorted(reports, key=lambda r: r.instance)]})
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    from .openapi import spec
+    return web.json_response(spec())
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/memory", memory)
+    app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_get("/flush_cache", flush_cache)      # SGLang serves both
+    app.router.add_get("/openapi.json", openapi_json)
