@@ -163,7 +163,10 @@ class Bus:
 
 
 def is_json(m: NatsMsg) -> bool:
-    return bool(m.headers) and m.headers.get("Content-Type", "").split(";")[0].strip() == messages.JSON
+    if not m.headers:
+        return False
+    ct = next((v for k, v in m.headers.items() if k.lower() == "content-type"), "")
+    return ct.split(";")[0].strip().lower() == messages.JSON
 
 
 class InboxStream:

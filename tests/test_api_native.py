@@ -105,6 +105,18 @@ async def test_batches_n_and_streaming(server):
             if line.startswith("data: ") and line != "data: [DONE]":
                 texts.append(json.loads(line[6:])["text"])
     assert texts[-1] == one["text"] and all(one["text"].startswith(t) for t in texts)   # cumulative, as SGLang
+    events = []
+    async with server.http.post(server.base + "/generate", json={
+            "text": "Two ways:", "stream": True, "rid": "two-ways",
+            "sampling_params": {"max_new_tokens": 3, "n": 2, "temperature": 1.0}}) as resp:
+        async for line in resp.content:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    for i in (0, 1):      # each completion's events carry its index and one id throughout
+        mine = [e for e in events if e["index"] == i]
+        assert mine and {e["meta_info"]["id"] for e in mine} == {f"two-ways-{i}"}
+        assert mine[-1]["meta_info"]["finish_reason"] is not None
 
 
 async def test_information_routes(server):

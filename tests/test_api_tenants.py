@@ -20,7 +20,8 @@ KEYS = {"keys": {
     "key-c2": {"tenant": "delta", "group": "team"},
     "key-salted": {"tenant": "eps", "group": "team", "cache_salt": "eps-only"},
     "key-small": {"tenant": "small", "limits": {"max_concurrent": 1, "max_queued_tokens": 4000}},
-    "key-admin": {"tenant": "ops", "role": "admin"}}}
+    "key-admin": {"tenant": "ops", "role": "admin"},
+    "key-team": {"tenant": "team"}}}
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,16 @@ async def test_tenants_are_isolated_and_groups_share(server):
     st, eps_borrow = await complete(server, "key-c1", prompt + " group", cache_salt="eps-only")
     st, eps2 = await complete(server, "key-salted", prompt + " group")
     assert cached(eps2) > 0 and cached(eps_borrow) == 0      # naming eps's salt does not reach its namespace
+    # a group member's flush empties what the group shares, not another member's salted namespace
+    await complete(server, "key-admin", "unrelated")         # the releases above have landed
+    async with server.http.post(server.base + "/flush_cache", headers=auth("key-c1")) as r:
+        assert r.status == 200
+    st, c1 = await complete(server, "key-c1", prompt + " group")
+    st, eps3 = await complete(server, "key-salted", prompt + " group")
+    assert cached(c1) == 0 and cached(eps3) > 0
+    # a tenant named like a group does not share the group's cache
+    st, team = await complete(server, "key-team", prompt + " group")
+    assert cached(team) == 0
 
 
 async def test_flush_is_per_tenant_and_all_needs_admin(server):
@@ -139,7 +150,7 @@ def test_keys_file_forms(tmp_path):
     toml.write_text('[keys.k1]\ntenant = "alpha"\nrole = "admin"\n[keys.k2]\ntenant = "beta"\ngroup = "g"\n'
                     '[keys.k2.limits]\nmax_concurrent = 2\n')
     keys = Keys.load(str(toml), ("k3:gamma",))
-    assert keys.principal("Bearer k1").role == "admin" and keys.principal("Bearer k2").scope == "g"
+    assert keys.principal("Bearer k1").role == "admin" and keys.principal("Bearer k2").scope == "g:g"
     assert keys.principal("Bearer k2").limits.max_concurrent == 2 and keys.principal("bearer k3").tenant == "gamma"
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"keys": {"sk-secret": {"tenant": "a/b"}}}))
@@ -149,4 +160,8 @@ def test_keys_file_forms(tmp_path):
     bad.write_text(json.dumps({"keys": {"sk-secret": {"tenant": "a", "role": "root"}}}))
     with pytest.raises(ValueError):
         Keys.load(str(bad))
+    bad.write_text(json.dumps({"keys": {"k1": {"tenant": "a", "group": "g", "limits": {"max_cached_pages": 5}},
+                                        "k2": {"tenant": "b", "group": "g"}}}))
+    with pytest.raises(ValueError, match="max_cached_pages"):
+        Keys.load(str(bad))                                  # a page quota limits the whole group
     assert not Keys.load()                                   # no keys: auth off

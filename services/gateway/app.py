@@ -98,12 +98,19 @@ def check_open(request: web.Request) -> None:
         raise ServiceUnavailable("the server is shutting down")
 
 
-def check_model(request: web.Request, model: str) -> None:
-    models = request.app[CLIENT].models()
-    if not models:
+def check_model(request: web.Request, model: str) -> str:
+    """The served model a request names. With one model served, any name is taken to mean it (as
+    SGLang does: clients written for other servers send their own model names); with several, an
+    unknown name is a 404."""
+    return resolve_model(sorted({m.model for m in request.app[CLIENT].models()}), model)
+
+
+def resolve_model(served: list[str], model: str) -> str:
+    if not served:
         raise ServiceUnavailable("no executor is available")
-    if model not in {m.model for m in models}:
-        raise NotFound(f"the model {model!r} does not exist; served: {', '.join(m.model for m in models)}", param="model")
+    if model in served or len(served) == 1:
+        return model if model in served else served[0]
+    raise NotFound(f"the model {model!r} does not exist; served: {', '.join(served)}", param="model")
 
 
 def tenant_samples(app: web.Application) -> list[Sample]:

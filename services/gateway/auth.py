@@ -23,7 +23,9 @@ import msgspec
 from radixflow.shared.errors import Forbidden, Unauthorized
 from radixflow.shared.messages import TenantLimits
 
-NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")   # no "/": it separates a namespace's owner from its salt
+# no "/" (it separates a namespace's owner from its salt) and no ":" (a group's scope is "g:<group>",
+# so that no tenant name can be a group's scope)
+NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,16 @@ class Principal:
 
     @property
     def scope(self) -> str:
-        return self.group or self.tenant
+        """The owner of its cache namespaces: the tenant, or "g:<group>" for a shared group."""
+        return f"g:{self.group}" if self.group else self.tenant
+
+    def flushable(self) -> list[str]:
+        """The namespaces this principal's flush empties: those it can reach (RadixFlush.namespaces).
+        In a group, those are the group's unsalted and client-salted ones, not another member's
+        forced-salt namespace."""
+        if self.cache_salt:
+            return [f"{self.scope}/s:{self.cache_salt}", f"{self.scope}/s:{self.cache_salt}|*"]
+        return [self.scope, f"{self.scope}/c:*"]
 
     def salt(self, client_salt: str | None) -> str | None:
         """The namespace salt: the forced one, then the client's. The two are marked apart ("s:" and
@@ -133,9 +144,14 @@ def _read(path: str) -> dict[str, Principal]:
 
 
 def _check_limits(principals) -> None:
-    """Limits belong to a tenant: its keys must not disagree (a group's tenants each keep their own)."""
+    """Limits belong to a tenant: its keys must not disagree. A page quota counts a cache scope's
+    pages, so the members of a group must agree on it."""
     seen: dict[str, TenantLimits | None] = {}
+    quota: dict[str, int] = {}
     for p in principals:
         if p.tenant in seen and seen[p.tenant] != p.limits:
             raise ValueError(f"tenant {p.tenant!r} has keys with different limits")
         seen[p.tenant] = p.limits
+        q = p.limits.max_cached_pages if p.limits else 0
+        if p.group and quota.setdefault(p.group, q) != q:
+            raise ValueError(f"the tenants of group {p.group!r} have different max_cached_pages (it limits the group)")

@@ -23,6 +23,7 @@ from radixflow.shared.messages import (AbortRequest, Accepted, DetokenizeReply, 
                                        StreamError, TopLogprobs)
 
 KEEP_OWNERS = 10_000     # program id -> its scheduler, for GET / DELETE without a broadcast
+TEXTS_PER_REQUEST = 2048  # token texts per detokenize request (about 80 bytes each on the bus)
 
 
 @dataclass
@@ -185,15 +186,26 @@ class EngineClient:
         res.choices.sort(key=lambda c: c.index)
         return res
 
-    async def token_texts(self, ids: list[int]) -> dict[int, str]:
-        """Each token's own text (special tokens included), for logprobs; one bus request."""
-        uniq = sorted(set(ids))
-        if not uniq:
-            return {}
-        reply = await self.bus.request(subjects.TOKENIZER_DETOKENIZE, DetokenizeRequest(items=[
-            DetokItem(ids=[t], prefix_offset=0, read_offset=0, skip_special_tokens=False, flush=True) for t in uniq]),
-            DetokenizeReply, timeout=10)
-        return {t: d.text for t, d in zip(uniq, reply.items)}
+    async def token_texts(self, ids: list[int], known: dict[int, str] | None = None) -> dict[int, str]:
+        """Each token's own text (special tokens included), for logprobs: those not in `known`, in
+        requests of TEXTS_PER_REQUEST tokens (a long output with 20 alternatives per token holds
+        thousands of distinct ids; one message of them all could pass the bus's max_payload)."""
+        known = {} if known is None else known
+        uniq = sorted(set(ids) - known.keys())
+        parts = [uniq[i:i + TEXTS_PER_REQUEST] for i in range(0, len(uniq), TEXTS_PER_REQUEST)]
+        replies = await asyncio.gather(*(self.bus.request(subjects.TOKENIZER_DETOKENIZE, DetokenizeRequest(items=[
+            DetokItem(ids=[t], prefix_offset=0, read_offset=0, skip_special_tokens=False, flush=True) for t in part]),
+            DetokenizeReply, timeout=10) for part in parts))
+        for part, reply in zip(parts, replies):
+            known.update((t, d.text) for t, d in zip(part, reply.items))
+        return known
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """The text of a whole token sequence (special tokens kept)."""
+        reply = await self.bus.request(subjects.TOKENIZER_DETOKENIZE, DetokenizeRequest(items=[DetokItem(
+            ids=ids, prefix_offset=0, read_offset=0, skip_special_tokens=False, flush=True)]), DetokenizeReply,
+            timeout=10)
+        return reply.items[0].text
 
 
 def new_rid() -> str:

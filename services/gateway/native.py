@@ -71,13 +71,16 @@ def requests_of(body: P.GenerateBody) -> list[tuple[GenerateRequest, dict]]:
         start = _per(body.logprob_start_len, i, n, "logprob_start_len")
         top = _per(body.top_logprobs_num, i, n, "top_logprobs_num") if want else 0
         sp: P.NativeSampling = _per(body.sampling_params, i, n, "sampling_params")
-        rid = _per(body.rid, i, n, "rid") if body.rid is not None else new_rid()
+        if isinstance(body.rid, str) and batch:
+            rid = f"{body.rid}-{i}"                   # one id for a batch: one per prompt, as SGLang
+        else:
+            rid = _per(body.rid, i, n, "rid") if body.rid is not None else new_rid()
         req = GenerateRequest(rid=rid, stream_subject="", text=p if isinstance(p, str) else None,
                               input_ids=p if isinstance(p, list) else None,
                               sampling=P.native_sampling(sp, logprobs=want, top=top), cache_salt=body.cache_salt,
                               stream=body.stream, constraint=P.native_constraint(sp), n=sp.n,
                               logprob_start=start if want else -1)
-        out.append((req, {"logprob": want, "start": start, "top": top}))
+        out.append((req, {"logprob": want, "start": start, "top": top, "n": sp.n}))
     return out
 
 
@@ -112,11 +115,16 @@ async def _stream(request: web.Request, req: GenerateRequest, opts: dict, with_t
         acc: Accepted = await gen.__anext__()
         sse = await SSE.open(request)
         r = Result(rid=req.rid, prompt_tokens=acc.prompt_tokens)
+        texts: dict[int, str] = {}        # token texts known so far: each event asks only for new ones
         try:
             async for item in gen:
                 c = r.add(item)
-                texts = await _texts(request, [(r, opts)], with_text) if opts["logprob"] else {}
-                await sse.send(native_body(r, c, opts, texts, time.monotonic() - t0))
+                if opts["logprob"]:
+                    texts = await _texts(request, [(r, opts)], with_text, texts)
+                out = native_body(r, c, opts, texts, time.monotonic() - t0)
+                if req.n > 1:
+                    out["index"] = c.index
+                await sse.send(out)
         except RadixflowError as e:
             await sse.error(e)
         return await sse.done()
@@ -124,7 +132,8 @@ async def _stream(request: web.Request, req: GenerateRequest, opts: dict, with_t
         await gen.aclose()
 
 
-async def _texts(request: web.Request, results: list[tuple[Result, dict]], with_text: bool) -> dict[int, str]:
+async def _texts(request: web.Request, results: list[tuple[Result, dict]], with_text: bool,
+                 known: dict[int, str] | None = None) -> dict[int, str]:
     if not with_text:
         return {}
     ids: list[int] = []
@@ -138,7 +147,7 @@ async def _texts(request: web.Request, results: list[tuple[Result, dict]], with_
             ids += c.output_ids
             for tops in c.top_logprobs:
                 ids += tops.ids
-    return await request.app[CLIENT].token_texts(ids)
+    return await request.app[CLIENT].token_texts(ids, known)
 
 
 def _entry(lp: float | None, tok: int, texts: dict[int, str]) -> list:
@@ -151,7 +160,7 @@ def _tops(t: TopLogprobs, texts: dict[int, str]) -> list[list]:
 
 def native_body(r: Result, c: Choice, opts: dict, texts: dict[int, str], latency: float) -> dict:
     meta: dict[str, Any] = {
-        "id": r.rid if len(r.choices) == 1 else f"{r.rid}-{c.index}",
+        "id": r.rid if opts.get("n", 1) == 1 else f"{r.rid}-{c.index}",
         "finish_reason": finish_native(c.finish_reason, c.matched_stop, len(c.output_ids)),
         "prompt_tokens": r.prompt_tokens, "completion_tokens": len(c.output_ids), "cached_tokens": r.cached_tokens,
         "e2e_latency": round(latency, 6)}
@@ -252,7 +261,7 @@ async def health_generate(request: web.Request) -> web.Response:
     """200 once a one-token generation has gone through every service (SGLang's deep health check)."""
     check_open(request)
     models = request.app[CLIENT].models()
-    req = GenerateRequest(rid=new_rid(), stream_subject="", input_ids=[0], stream=False, tenant="health",
+    req = GenerateRequest(rid=new_rid(), stream_subject="", input_ids=[0], stream=False, tenant="!health",
                           sampling=SamplingParams(max_new_tokens=1, temperature=0))
     try:
         await asyncio.wait_for(request.app[CLIENT].complete(req), timeout=20)

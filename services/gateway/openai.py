@@ -77,10 +77,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     who = principal(request)
     body: P.CompletionBody = P.decode_body(await request.read(), P.CompletionBody)
     P.completion_checks(body)
-    check_model(request, body.model)
+    model = check_model(request, body.model)
     prompts = P.prompts(body.prompt)
     if body.stream and len(prompts) > 1:
         raise BadRequest("stream with a list of prompts is not supported; send them one by one", param="stream")
+    if body.stream and body.echo and body.logprobs is not None:
+        raise BadRequest("echo with logprobs is not supported with stream (the prompt's logprobs come at the end); "
+                         "send it without stream", param="echo")
     want = body.logprobs is not None
     reqs = []
     for p in prompts:
@@ -96,7 +99,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise BadRequest("n > 1 needs max_tokens > 0", param="n")
     with log.bind_request(reqs[0].rid):
         if body.stream:
-            return await _stream(request, reqs[0], body, chat=False)
+            return await _stream(request, reqs[0], body, model, chat=False)
         results = await asyncio.gather(*(request.app[CLIENT].complete(r) for r in reqs), return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
@@ -122,7 +125,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                         choice["logprobs"] = completion_logprobs(c.output_ids, c.logprobs, c.top_logprobs, k, texts)
                 choices.append(choice)
         return web.json_response({
-            "id": "cmpl-" + reqs[0].rid, "object": "text_completion", "created": int(time.time()), "model": body.model,
+            "id": "cmpl-" + reqs[0].rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(sum(r.prompt_tokens for r in results),
                                               sum(r.completion_tokens for r in results),
                                               sum(r.cached_tokens for r in results))})
@@ -131,8 +134,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _echo_text(request: web.Request, prompt: str | list[int]) -> str:
     if isinstance(prompt, str):
         return prompt
-    texts = await request.app[CLIENT].token_texts(prompt)
-    return "".join(texts[t] for t in prompt)
+    return await request.app[CLIENT].detokenize(prompt)      # whole: a character may span tokens
 
 
 # ---------------------------------------------------------------- /v1/chat/completions
@@ -142,7 +144,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_open(request)
     who = principal(request)
     body: P.ChatBody = P.decode_body(await request.read(), P.ChatBody)
-    check_model(request, body.model)
+    model = check_model(request, body.model)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     req = GenerateRequest(rid=new_rid(), stream_subject="", cache_salt=body.cache_salt,
                           messages=P.chat_messages(body),
@@ -155,7 +157,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise BadRequest("max_tokens must be at least 1", param="max_tokens")
     with log.bind_request(req.rid):
         if body.stream:
-            return await _stream(request, req, body, chat=True)
+            return await _stream(request, req, body, model, chat=True)
         r = await request.app[CLIENT].complete(req)
         texts = await _choice_texts(request, r.choices) if body.logprobs else {}
         choices = []
@@ -165,7 +167,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                                       texts) if body.logprobs else None,
                             "finish_reason": finish_reason(c.finish_reason)})
         return web.json_response({"id": "chatcmpl-" + req.rid, "object": "chat.completion", "created": int(time.time()),
-                                  "model": body.model, "choices": choices,
+                                  "model": model, "choices": choices,
                                   "usage": usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens)})
 
 
@@ -178,23 +180,24 @@ async def _choice_texts(request: web.Request, choices: list[Choice] | list[Strea
 # ---------------------------------------------------------------- streaming (both)
 
 
-async def _stream(request: web.Request, req: GenerateRequest, body: Any, chat: bool) -> web.StreamResponse:
+async def _stream(request: web.Request, req: GenerateRequest, body: Any, model: str,
+                  chat: bool) -> web.StreamResponse:
     client = request.app[CLIENT]
     head = {"id": ("chatcmpl-" if chat else "cmpl-") + req.rid,
             "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
-            "model": body.model}
+            "model": model}
     opts = body.stream_options
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.continuous_usage_stats)
     want = body.logprobs if chat else body.logprobs is not None
     k = (body.top_logprobs or 0) if chat else (body.logprobs or 0)
+    echo = "" if chat or not body.echo else await _echo_text(
+        request, req.text if req.text is not None else req.input_ids)
     gen = client.generate(req)
     try:
         acc: Accepted = await gen.__anext__()
         sse = await SSE.open(request)
         r = Result(rid=req.rid, prompt_tokens=acc.prompt_tokens)
-        echo = "" if chat or not body.echo else await _echo_text(
-            request, req.text if req.text is not None else req.input_ids)
 
         async def send(choice: dict) -> None:
             out = head | {"choices": [choice]}

@@ -46,10 +46,11 @@ async def flush_cache(request: web.Request) -> web.Response:
     if body.all:
         who.require_admin("flushing every tenant's cache")
     everything = body.all or not request.app[KEYS]      # auth off: there is one tenant
-    scopes = [] if everything else [who.scope]
-    out = await request.app[BUS].request(subjects.RADIX_FLUSH, RadixFlush(scopes=scopes), RadixFlushed, timeout=10)
+    namespaces = [] if everything else who.flushable()
+    out = await request.app[BUS].request(subjects.RADIX_FLUSH, RadixFlush(namespaces=namespaces), RadixFlushed,
+                                         timeout=10)
     return web.json_response({"message": "cache flushed", "freed_pages": out.freed_pages,
-                              "scopes": scopes or "all"})
+                              "namespaces": namespaces or "all"})
 
 
 async def metrics(request: web.Request) -> web.Response:

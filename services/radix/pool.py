@@ -364,10 +364,11 @@ class PagePool:
                 node = node.parent
         return sum(len(n.pages) for n in self.tree.nodes() if id(n) in seen)
 
-    def flush(self, scopes: list[str] | None = None) -> int:
+    def flush(self, scopes: list[str] | None = None, namespaces: list[str] | None = None) -> int:
         """Free every unlocked cached page, or only those of the namespaces these scopes own
-        ("alpha" flushes "alpha" and every "alpha/<salt>"); returns the pages freed."""
-        ev = self.tree.flush(scopes or None)
+        ("alpha" flushes "alpha" and every "alpha/<salt>"), or of these namespaces (exact, or
+        prefixes ending in "*"); returns the pages freed."""
+        ev = self.tree.flush(scopes or None, namespaces or ())
         self._freed(ev)
         self.counters["evicted_pages_total"] -= len(ev.pages)      # a flush is not pressure
         self.counters["evicted_states_total"] -= len(ev.states)

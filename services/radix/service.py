@@ -56,7 +56,7 @@ class RadixService(Actor):
 
     async def flush(self, req: RadixFlush) -> RadixFlushed:
         names = list(self.pools) if req.pool is None else [req.pool]
-        return RadixFlushed(freed_pages=sum(self.pools[n].flush(req.scopes) for n in names if n in self.pools))
+        return RadixFlushed(freed_pages=sum(self.pools[n].flush(req.scopes, req.namespaces) for n in names if n in self.pools))
 
     async def place(self, req: RadixPlace) -> RadixPlaceReply:
         return RadixPlaceReply(cached_tokens={p: self.pools[p].match_len(req.namespace, req.token_ids)

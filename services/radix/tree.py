@@ -181,10 +181,11 @@ class RadixTree:
         else:
             self.owner_pages.pop(owner, None)
 
-    def evict(self, n_pages: int, owners: Collection[str] | None = None) -> Evicted:
+    def evict(self, n_pages: int, owners: Collection[str] | None = None, exact: bool = False) -> Evicted:
         """Free at least n_pages (fewer if not enough are unlocked), LRU leaves first; a leaf's
-        state slot goes with it. With `owners`, only leaves of those owners' namespaces."""
-        heap = [(n.last_access, id(n), n) for n in self.nodes(owners) if not n.children and n.lock == 0]
+        state slot goes with it. With `owners`, only leaves of those owners' namespaces (`exact`:
+        of those namespaces)."""
+        heap = [(n.last_access, id(n), n) for n in self.nodes(owners, exact) if not n.children and n.lock == 0]
         heapq.heapify(heap)
         freed: list[int] = []
         states: list[int] = []
@@ -228,8 +229,13 @@ class RadixTree:
             n = n.parent
         return pages
 
-    def flush(self, owners: Collection[str] | None = None) -> Evicted:
-        """Free every unlocked page (and the states of those nodes), or only those of `owners`."""
+    def flush(self, owners: Collection[str] | None = None, namespaces: Collection[str] = ()) -> Evicted:
+        """Free every unlocked page (and the states of those nodes), or only those of `owners`,
+        or only those of `namespaces` (exact names, or prefixes ending in "*")."""
+        if namespaces:
+            owners = [ns for ns in self.roots if any(ns == p or p.endswith("*") and ns.startswith(p[:-1])
+                                                     for p in namespaces)]
+            return self.evict(self.evictable_pages, owners, exact=True)
         return self.evict(self.evictable_pages, owners)
 
     def set_state(self, node: Node, slot: int) -> bool:
@@ -241,9 +247,10 @@ class RadixTree:
 
     # ------------------------------------------------------------ inspection
 
-    def nodes(self, owners: Collection[str] | None = None) -> Iterator[Node]:
-        """Every node but the roots; with `owners`, only those in these owners' namespaces."""
-        roots = [r for ns, r in self.roots.items() if owners is None or owner_of(ns) in owners]
+    def nodes(self, owners: Collection[str] | None = None, exact: bool = False) -> Iterator[Node]:
+        """Every node but the roots; with `owners`, only those in these owners' namespaces (`exact`:
+        in these namespaces)."""
+        roots = [r for ns, r in self.roots.items() if owners is None or (ns if exact else owner_of(ns)) in owners]
         stack = [c for r in roots for c in r.children.values()]
         while stack:
             n = stack.pop()

@@ -135,13 +135,13 @@ class SchedulerService(Actor):
                                           GrammarCompiled, timeout=60)
         return compiled.key, OutputCheck(c)
 
-    def check_room(self) -> None:
-        if len(self.table) >= self.cfg.max_queued_requests:
+    def check_room(self, n: int = 1) -> None:
+        if len(self.table) + n > self.cfg.max_queued_requests:
             raise Overloaded(f"{len(self.table)} requests in flight; try again later", retry_after=RETRY_AFTER_S)
 
     async def submit(self, req: GenerateRequest) -> Accepted:
         check_request(req)
-        self.check_room()
+        self.check_room(req.n + (req.n > 1))
         if req.rid in self.table:
             raise BadRequest(f"request id {req.rid!r} is already in flight", param="rid")
         live = self.live_executors()   # fail fast before tokenizing when nothing can run it
@@ -179,7 +179,9 @@ class SchedulerService(Actor):
         (siblings.py). A refused parent refuses the request; a refused child fails the stream."""
         if req.rid in self.siblings or any(r in self.table for r in (child_rid(req.rid, i) for i in range(req.n))):
             raise BadRequest(f"request id {req.rid!r} is already in flight", param="rid")
-        group = Siblings(self, req.rid, req.stream_subject, req.n, req.json_stream)
+        self._check_fits(ex, exec_req)     # the children's budget, before the parent's prefill runs for nothing
+        group = Siblings(self, req.rid, req.stream_subject, req.n, req.json_stream,
+                         needs_parent=exec_req.logprob_start >= 0)
         ids = exec_req.input_ids
         parent_sampling = msgspec.structs.replace(req.sampling, max_new_tokens=0, logprobs=False)
         await self.dispatch(ex, msgspec.structs.replace(exec_req, sampling=parent_sampling, grammar_key=None), Tracked(
@@ -212,13 +214,19 @@ class SchedulerService(Actor):
             ex.inflight -= reserved
             raise
         req.eos_token_ids, req.output_subject = await self._eos_ids(), self.output_subject
-        self.table.add(t)    # before dispatch: an output may arrive before the executor's reply does
+        try:
+            self.table.add(t)    # before dispatch: an output may arrive before the executor's reply does
+        except KeyError:         # the same id submitted twice at once (the check before tokenizing raced)
+            ex.inflight -= reserved
+            raise BadRequest(f"request id {req.rid!r} is already in flight", param="rid") from None
         ex.inflight += not reserved
         try:
             await self.bus.request(subjects.executor_submit(ex.instance), req, ExecAccepted, timeout=40)
         except RadixflowError:
-            self.table.finish(req.rid)     # not accepted: the caller gets the error instead
-            ex.inflight -= 1
+            # not accepted: the caller gets the error instead (unless something already forgot it,
+            # which gave its executor slot back)
+            if self.table.finish(req.rid) is not None:
+                ex.inflight = max(0, ex.inflight - 1)
             raise
 
     @staticmethod
@@ -300,14 +308,22 @@ class SchedulerService(Actor):
             return
         await self.publish_stream(t.stream_subject, t.rid, item, t.json)
 
-    async def publish_stream(self, subject: str, rid: str, item: StreamChunk | StreamError, as_json: bool) -> None:
+    async def publish_stream(self, subject: str, rid: str, item: StreamChunk | StreamError, as_json: bool) -> bool:
+        """Send one stream item; False when it could not be sent. An unsendable end of a choice
+        (an oversize last chunk) becomes the stream's terminal StreamError in its place."""
         try:
             await self.bus.publish(subject, item, as_json)
+            return True
         except RadixflowError as e:
             self.log.error("stream item not sent", rid=rid, error=e.message)
-            if isinstance(item, StreamChunk) and item.finished:   # oversize: the client still gets a terminal event
-                await self.bus.publish(subject, StreamError(rid=rid, seq=item.seq, code=e.code, kind=e.kind,
-                                                            message=f"the result could not be sent: {e.message}"), as_json)
+            if isinstance(item, StreamChunk) and (item.finished or item.finish_reason is not None):
+                try:
+                    await self.bus.publish(subject, StreamError(rid=rid, seq=item.seq, code=e.code, kind=e.kind,
+                                                                message=f"the result could not be sent: {e.message}"),
+                                           as_json)
+                except RadixflowError:
+                    pass
+            return False
 
     async def abort_rids(self, rids: list[str]) -> None:
         """Stop these requests without a terminal event of their own (their stream already ended)."""

@@ -25,8 +25,10 @@ def child_rid(rid: str, index: int) -> str:
 
 
 class Siblings:
-    def __init__(self, sched: "SchedulerService", rid: str, subject: str, n: int, as_json: bool = False):
+    def __init__(self, sched: "SchedulerService", rid: str, subject: str, n: int, as_json: bool = False,
+                 needs_parent: bool = False):
         self.sched, self.rid, self.subject, self.n, self.json = sched, rid, subject, n, as_json
+        self.needs_parent = needs_parent         # the parent returns the prompt logprobs: its failure is ours
         self.remaining = n
         self.seq = 0
         self.ended = False
@@ -38,23 +40,23 @@ class Siblings:
         return [child_rid(self.rid, i) for i in range(self.n)]
 
     async def on_parent(self, item: StreamChunk | StreamError) -> None:
-        # A failed parent is not the stream's error: each child then computes the prompt itself,
-        # and fails on its own if the cause is theirs too.
-        if isinstance(item, StreamChunk) and item.finished:
+        # A failed parent is not the stream's error (each child then computes the prompt itself, and
+        # fails on its own if the cause is theirs too), unless it owed the stream the prompt logprobs.
+        if isinstance(item, StreamError):
+            if self.needs_parent:
+                await self._fail(item)
+            return
+        if item.finished:
             self.parent_cached = item.usage.cached_tokens if item.usage else 0
             self.input_logprobs = item
 
     async def on_child(self, index: int, item: StreamChunk | StreamError) -> None:
         if self.ended:
             return
-        item.seq, self.seq = self.seq, self.seq + 1
         if isinstance(item, StreamError):
-            self.ended = True
-            item.rid = self.rid
-            await self._publish(item)
-            await self.sched.abort_rids([r for r in self.children if r != child_rid(self.rid, index)])
-            self.sched.siblings.pop(self.rid, None)
+            await self._fail(item, but=child_rid(self.rid, index))
             return
+        item.seq, self.seq = self.seq, self.seq + 1
         item.rid, item.index = self.rid, index
         if item.finished:
             self.remaining -= 1
@@ -68,7 +70,19 @@ class Siblings:
                     item.input_logprobs = self.input_logprobs.input_logprobs
                     item.input_top_logprobs = self.input_logprobs.input_top_logprobs
                     item.input_ids = self.input_logprobs.input_ids
-        await self._publish(item)
+        if not await self._publish(item) and item.finish_reason is not None and not self.ended:
+            # an unsendable end of a choice went out as the stream's terminal error in its place
+            self.ended = True
+            self.sched.siblings.pop(self.rid, None)
+            await self.sched.abort_rids([self.rid] + self.children)
 
-    async def _publish(self, item: StreamChunk | StreamError) -> None:
-        await self.sched.publish_stream(self.subject, self.rid, item, self.json)
+    async def _fail(self, item: StreamError, but: str = "") -> None:
+        """The stream's one terminal error; everything else of the request stops (the parent too)."""
+        self.ended = True
+        item.rid, item.seq, self.seq = self.rid, self.seq, self.seq + 1
+        self.sched.siblings.pop(self.rid, None)
+        await self._publish(item)
+        await self.sched.abort_rids([r for r in [self.rid] + self.children if r != but])
+
+    async def _publish(self, item: StreamChunk | StreamError) -> bool:
+        return await self.sched.publish_stream(self.subject, self.rid, item, self.json)

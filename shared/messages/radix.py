@@ -101,6 +101,7 @@ class RadixStepReply(Msg):
 class RadixFlush(Msg):
     pool: str | None = None           # None: every pool
     scopes: list[str] = []            # only these owners' namespaces ("alpha" and "alpha/<salt>"); empty: all
+    namespaces: list[str] = []        # or only these namespaces (exact, or a prefix ending in "*")
 
 
 class RadixFlushed(Msg):
