@@ -279,3 +279,10 @@ def test_bias_and_penalties_apply_through_the_engine(engine):
     once = run("c", logit_bias={t: 30.0}, presence_penalty=100.0)
     assert once[0] == t and once.count(t) == 1
     assert t not in run("d", logit_bias={t: 30.0}, repetition_penalty=100.0)
+
+
+def test_bench_sampler_runs_both_sides():
+    from radixflow.services.bench.sampler import CASES, EXTRAS, run_sampler
+    out = run_sampler(batch=4, vocab=512, repeats=1)
+    assert set(out["cases"]) == set(CASES) and set(out["extras"]) == set(EXTRAS)
+    assert all(c["batched_ms"] > 0 and c["per_row_ms"] > 0 for c in out["cases"].values())

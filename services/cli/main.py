@@ -5,7 +5,7 @@
     radixflow make-model PRESET DIR                                  a tiny HF checkpoint (tiny-dense, tiny-hybrid)
     radixflow schemas [--check]                                      write (or check) schemas/*.json
     radixflow memory [CONFIG] [--prefix-tokens N --copies C --json]  cache memory: calculator, or a server's
-    radixflow bench decode|latency|shared-prefix|structured|program  benchmarks beside their baselines
+    radixflow bench decode|latency|shared-prefix|structured|program|sampler  benchmarks beside their baselines
 """
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     import json
     from radixflow.services.bench.common import resolve_model
     model = resolve_model(a.model or ("tiny-dense" if a.which == "shared-prefix" else "tiny-hybrid")) \
-        if a.which != "program" else None
+        if a.which not in ("program", "sampler") else None
     if a.which == "decode":
         from radixflow.services.bench.decode import run_decode
         out = run_decode(model, [int(b) for b in a.batch.split(",")], a.prompt_len, a.new_tokens)
@@ -164,6 +164,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from radixflow.services.bench.program import run_program
         models = [resolve_model(m) for m in (a.model.split(",") if a.model else ["tiny-dense", "tiny-hybrid"])]
         out = run_program(models, a.preamble, a.suffix, a.requests, a.max_tokens)
+    elif a.which == "sampler":
+        from radixflow.services.bench.sampler import run_sampler
+        out = run_sampler(batch=a.rows, vocab=a.vocab, repeats=a.repeats)
     elif a.which == "shared-prefix":
         from radixflow.services.bench.shared_prefix import run_shared_prefix
         out = run_shared_prefix(model, a.preamble, a.suffix, a.requests, a.output_tokens, a.first_alone)
@@ -205,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_memory)
     p = sub.add_parser("bench", help="benchmarks, each beside its baseline in one run")
-    p.add_argument("which", help="decode | latency | shared-prefix | structured | program")
+    p.add_argument("which", help="decode | latency | shared-prefix | structured | program | sampler")
     p.add_argument("--model", default=None, help="a preset (tiny-dense, tiny-hybrid) or a model directory "
                                                  "(default: tiny-dense for shared-prefix, both for program "
                                                  "(comma-separated), else tiny-hybrid)")
@@ -219,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--vocab", type=int, default=151936, help="sampler: vocabulary size (default: Qwen3's)")
+    p.add_argument("--rows", type=int, default=64, help="sampler: sequences in the step")
     p.set_defaults(fn=cmd_bench)
     a = ap.parse_args(argv)
     return a.fn(a)
