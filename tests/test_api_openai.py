@@ -56,8 +56,12 @@ async def test_streaming_matches_non_streaming(server):
     assert text == full.choices[0].message.content
     assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
     assert reasons[-1] == full.choices[0].finish_reason
-    cs = await c.completions.create(model=m, prompt="Once upon", max_tokens=6, temperature=0, stream=True)
-    parts = [ch.choices[0].text async for ch in cs if ch.choices]
+    cs = await c.completions.create(model=m, prompt="Once upon", max_tokens=6, temperature=0, stream=True,
+                                    stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = [ch async for ch in cs]
+    parts = [ch.choices[0].text for ch in chunks if ch.choices]
+    running = [ch.usage.completion_tokens for ch in chunks]        # usage on every chunk, growing
+    assert all(ch.usage is not None for ch in chunks) and running == sorted(running) and running[-1] == 6
     ref = await c.completions.create(model=m, prompt="Once upon", max_tokens=6, temperature=0)
     assert "".join(parts) == ref.choices[0].text
 
