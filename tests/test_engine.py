@@ -102,6 +102,29 @@ def test_abort_frees_memory(engine):
     assert no_leak(engine)
 
 
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(engine):
+    """Fault injection: the model step raises once (a bug, a kernel error). Every request of that
+    step ends with an error, nothing leaks, and the next requests are served as before."""
+    want, _, _ = run(engine, [req("ok-before", prompt(31, 20), max_new_tokens=4, ignore_eos=True)])
+    real = engine.runner.run
+
+    def broken(plan):
+        engine.runner.run = real
+        raise RuntimeError("injected")
+    engine.runner.run = broken
+    engine.add(req("a", prompt(32, 20), max_new_tokens=4))
+    engine.add(req("b", prompt(33, 20), max_new_tokens=4))
+    outs = []
+    while engine.has_work():
+        outs += [o for _, o in engine.step()]
+    failed = {o.rid: o for o in outs if o.finished}
+    assert set(failed) == {"a", "b"} and all(o.error and "injected" in o.error and o.error_code == 500
+                                             for o in failed.values())
+    assert no_leak(engine)
+    again, _, _ = run(engine, [req("ok-after", prompt(31, 20), max_new_tokens=4, ignore_eos=True)])
+    assert again["ok-after"] == want["ok-before"]
+
+
 def test_bad_requests_are_refused(engine):
     with pytest.raises(BadRequest, match="empty"):
         engine.add(req("e", []))

@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from radixflow.shared import log
 from radixflow.shared.errors import BadRequest, NotFound, RadixflowError
 from radixflow.shared.messages import CacheHints, ExecRequest, Progress, RadixRegister, SeqOutput
 
@@ -22,6 +23,8 @@ from .batcher import Batcher, Plan, candidate_tokens
 from .pages import LocalPages, PageAuthority
 from .runner import ModelRunner
 from .sequence import Sequence, Status
+
+_log = log.get("executor")
 
 
 @dataclass(frozen=True)
@@ -176,7 +179,15 @@ class Engine:
         plan = self.batcher.schedule()
         if plan is None:
             return outs
-        toks = self.runner.run(plan)
+        try:
+            toks = self.runner.run(plan)
+        except Exception as e:
+            # A bug, or an input that breaks the step: the step's sequences fail, each with an error,
+            # and the engine goes on. Raising instead would retry the same plan forever. Nothing of
+            # the step is kept: computed_len did not advance, so no KV or state of it is cached.
+            _log.error("step failed", error=repr(e), requests=len(plan.seqs), exc_info=e)
+            return outs + [self._error(s, 500, f"internal error in a model step: {type(e).__name__}: {e}")
+                           for s in plan.seqs]
         self.steps += 1
         return outs + self._postprocess(plan, toks)
 
