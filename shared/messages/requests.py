@@ -238,6 +238,7 @@ class GrammarCompile(Msg):
     kind: str                         # json_schema | json_object | regex | ebnf | choice
     spec: str
     tokenizer: str = ""               # TokenizerInfo identity the caller expects ("" : the service's own)
+    backend: str = ""                 # xgrammar | llguidance | auto ("": the deployment's default)
 
 
 class GrammarCompiled(Msg):
@@ -245,6 +246,10 @@ class GrammarCompiled(Msg):
     compile_s: float = 0.0            # seconds this request spent compiling (0 on a cache hit)
     cache_hit: bool = False
     size: int = 0                     # bytes of the serialized compiled grammar
+    backend: str = "xgrammar"         # which grammar engine compiled it (the executor applies its masks)
+    enforcement: str = "full"         # full: the grammar enforces the whole (normalized) schema;
+                                      # checked: some constructs are only validated on the finished
+                                      # output (resampled when it fails; streams are held until then)
 
 
 class GrammarFetch(Msg):
