@@ -53,6 +53,8 @@ class SchedulerConfig:
     request_timeout_s: float = 900.0  # an accepted request ends by then, whatever happens
     max_program_nodes: int = 1024     # programs: more nodes is a 400
     max_program_tokens: int = 2_000_000   # programs: own text plus generation budget of every node
+    max_resamples: int = 3            # structured output: a finished output that fails its check is
+                                      # sampled again (new seed) up to this many times, then a clear error
 
 
 @dataclass(frozen=True)

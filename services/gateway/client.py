@@ -48,6 +48,20 @@ class Result:
     input_ids: list[int] = field(default_factory=list)          # from logprob_start, when asked
     input_logprobs: list[float] = field(default_factory=list)
     input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    grammar_backend: str = ""          # structured output: which engine, and whether part is only checked
+    enforcement: str = ""
+    resamples: int = 0                 # outputs discarded for failing the check (all choices)
+
+    def accepted(self, acc: Accepted) -> None:
+        self.prompt_tokens, self.grammar_backend, self.enforcement = acc.prompt_tokens, acc.grammar_backend, \
+            acc.enforcement
+
+    def headers(self) -> dict[str, str]:
+        """What a structured-output response tells about its guarantee, as response headers."""
+        if not self.grammar_backend:
+            return {}
+        return {"x-radixflow-grammar-backend": self.grammar_backend,
+                "x-radixflow-grammar-enforcement": self.enforcement, "x-radixflow-resamples": str(self.resamples)}
 
     def add(self, item: StreamChunk) -> Choice:
         while len(self.choices) <= item.index:
@@ -61,6 +75,7 @@ class Result:
             c.finish_reason, c.matched_stop = item.finish_reason, item.matched_stop
         if item.usage is not None:
             self.cached_tokens = item.usage.cached_tokens
+            self.resamples += item.usage.resamples
         if item.input_logprobs or item.input_ids:
             self.input_ids, self.input_logprobs = item.input_ids, item.input_logprobs
             self.input_top_logprobs = item.input_top_logprobs
@@ -178,7 +193,7 @@ class EngineClient:
         try:
             async for item in gen:
                 if isinstance(item, Accepted):
-                    res.prompt_tokens = item.prompt_tokens
+                    res.accepted(item)
                 else:
                     res.add(item)
         finally:

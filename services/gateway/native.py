@@ -105,7 +105,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     latency = time.monotonic() - t0
     out = [native_body(r, c, opts, texts, latency) for r, (_, opts) in zip(results, reqs) for c in r.choices]
     single = not isinstance(body.text, list) and not (body.input_ids and isinstance(body.input_ids[0], list))
-    return web.json_response(out[0] if single and len(out) == 1 else out)
+    return web.json_response(out[0] if single and len(out) == 1 else out, headers=results[0].headers())
 
 
 async def _stream(request: web.Request, req: GenerateRequest, opts: dict, with_text: bool, t0: float):
@@ -113,8 +113,9 @@ async def _stream(request: web.Request, req: GenerateRequest, opts: dict, with_t
     gen = client.generate(req)
     try:
         acc: Accepted = await gen.__anext__()
-        sse = await SSE.open(request)
-        r = Result(rid=req.rid, prompt_tokens=acc.prompt_tokens)
+        r = Result(rid=req.rid)
+        r.accepted(acc)
+        sse = await SSE.open(request, r.headers())
         texts: dict[int, str] = {}        # token texts known so far: each event asks only for new ones
         try:
             async for item in gen:
@@ -164,6 +165,8 @@ def native_body(r: Result, c: Choice, opts: dict, texts: dict[int, str], latency
         "finish_reason": finish_native(c.finish_reason, c.matched_stop, len(c.output_ids)),
         "prompt_tokens": r.prompt_tokens, "completion_tokens": len(c.output_ids), "cached_tokens": r.cached_tokens,
         "e2e_latency": round(latency, 6)}
+    if r.grammar_backend:
+        meta["grammar"] = {"backend": r.grammar_backend, "enforcement": r.enforcement, "resamples": r.resamples}
     if opts["logprob"]:
         # As SGLang: the entry at logprob_start_len has no logprob (None), whatever the start (the
         # executor computes it when the start is past 0; it is dropped to answer as SGLang does).

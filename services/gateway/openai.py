@@ -124,7 +124,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                     else:
                         choice["logprobs"] = completion_logprobs(c.output_ids, c.logprobs, c.top_logprobs, k, texts)
                 choices.append(choice)
-        return web.json_response({
+        return web.json_response(headers=results[0].headers(), data={
             "id": "cmpl-" + reqs[0].rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(sum(r.prompt_tokens for r in results),
                                               sum(r.completion_tokens for r in results),
@@ -166,9 +166,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                             "logprobs": chat_logprobs(c.output_ids, c.logprobs, c.top_logprobs, body.top_logprobs or 0,
                                                       texts) if body.logprobs else None,
                             "finish_reason": finish_reason(c.finish_reason)})
-        return web.json_response({"id": "chatcmpl-" + req.rid, "object": "chat.completion", "created": int(time.time()),
-                                  "model": model, "choices": choices,
-                                  "usage": usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens)})
+        return web.json_response(headers=r.headers(), data={
+            "id": "chatcmpl-" + req.rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens)})
 
 
 async def _choice_texts(request: web.Request, choices: list[Choice] | list[StreamChunk]) -> dict[int, str]:
@@ -196,8 +196,9 @@ async def _stream(request: web.Request, req: GenerateRequest, body: Any, model: 
     gen = client.generate(req)
     try:
         acc: Accepted = await gen.__anext__()
-        sse = await SSE.open(request)
-        r = Result(rid=req.rid, prompt_tokens=acc.prompt_tokens)
+        r = Result(rid=req.rid)
+        r.accepted(acc)
+        sse = await SSE.open(request, r.headers())
 
         async def send(choice: dict) -> None:
             out = head | {"choices": [choice]}

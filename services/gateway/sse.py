@@ -19,8 +19,9 @@ class SSE:
         self.resp = resp
 
     @classmethod
-    async def open(cls, request: web.Request) -> "SSE":
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    async def open(cls, request: web.Request, headers: dict[str, str] | None = None) -> "SSE":
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                                  | (headers or {}))
         await resp.prepare(request)
         return cls(resp)
 

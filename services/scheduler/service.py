@@ -29,6 +29,7 @@ from radixflow.shared.validate import check_request
 from .programs import ProgramDriver
 from .siblings import Siblings, child_rid
 from .structured import OutputCheck, check_constraint
+from .stops import StopMatcher
 from .table import RequestTable, Tracked, namespace_of
 from .tenants import RETRY_AFTER_S, TenantLedger, Ticket
 
@@ -50,6 +51,7 @@ class SchedulerService(Actor):
         self.table = RequestTable()
         self.executors: dict[str, ExecutorState] = {}
         self.siblings: dict[str, Siblings] = {}     # rid of a request with n > 1 -> its children
+        self.resampled_total = 0                    # structured outputs sampled again after a failed check
         self.tenants = TenantLedger()
         self._eos: list[int] | None = None
         self.output_subject = subjects.scheduler_output(self.instance)
@@ -76,7 +78,8 @@ class SchedulerService(Actor):
                 "executors": {k: msgspec.to_builtins(v.info) for k, v in self.executors.items()}}
 
     def metrics(self) -> list[Sample]:
-        return [Sample(name="requests_inflight", value=len(self.table))] + self.programs.metrics() \
+        return [Sample(name="requests_inflight", value=len(self.table)),
+                Sample(name="structured_resamples_total", value=self.resampled_total)] + self.programs.metrics() \
             + self.tenants.samples()
 
     # ------------------------------------------------------------ executors
@@ -133,7 +136,7 @@ class SchedulerService(Actor):
         check_constraint(c)
         compiled = await self.bus.request(subjects.GRAMMAR_COMPILE, GrammarCompile(kind=c.kind, spec=c.spec),
                                           GrammarCompiled, timeout=60)
-        return compiled.key, OutputCheck(c)
+        return compiled.key, OutputCheck(c, compiled.backend, compiled.enforcement)
 
     def check_room(self, n: int = 1) -> None:
         if len(self.table) + n > self.cfg.max_queued_requests:
@@ -171,7 +174,8 @@ class SchedulerService(Actor):
                 await self._fan_out(ex, req, exec_req, check, deadline, ticket)
         finally:
             self.tenants.release(ticket)   # the submission's hold; its tracked entries hold it from here on
-        return Accepted(rid=req.rid, prompt_tokens=len(ids), executor=ex.instance, scheduler=self.instance)
+        return Accepted(rid=req.rid, prompt_tokens=len(ids), executor=ex.instance, scheduler=self.instance,
+                        grammar_backend=check.backend if check else "", enforcement=check.enforcement if check else "")
 
     async def _fan_out(self, ex: ExecutorState, req: GenerateRequest, exec_req: ExecRequest,
                        check: OutputCheck | None, deadline: float, ticket: Ticket) -> None:
@@ -214,6 +218,7 @@ class SchedulerService(Actor):
             ex.inflight -= reserved
             raise
         req.eos_token_ids, req.output_subject = await self._eos_ids(), self.output_subject
+        t.exec_req = req
         try:
             self.table.add(t)    # before dispatch: an output may arrive before the executor's reply does
         except KeyError:         # the same id submitted twice at once (the check before tokenizing raced)
@@ -283,8 +288,11 @@ class SchedulerService(Actor):
                 bad = t.check.error(t.text, "stop" if hit is not None else o.finish_reason) \
                     if (o.finished or hit is not None) and not o.error else None
                 if bad is not None:
+                    if o.finished and o.finish_reason != "length" and await self._resample(t, bad):
+                        continue
                     await self._fail(t, 400 if o.finish_reason == "length" else 500,
-                                     "invalid_request_error" if o.finish_reason == "length" else "invalid_output", bad,
+                                     "invalid_request_error" if o.finish_reason == "length" else "invalid_output",
+                                     bad + (f" (after {t.resamples + 1} attempts)" if t.resamples else ""),
                                      abort=not o.finished)
                     continue
             if o.error:
@@ -297,6 +305,8 @@ class SchedulerService(Actor):
                     stopped.setdefault(t.executor, []).append(t.rid)
             elif o.finished:
                 await self._end(t, text, o.finish_reason or "stop", o.matched_stop)
+            elif t.hold:
+                t.held += text
             else:
                 await self._send(t, t.take(text))
         for ex, rids in stopped.items():
@@ -337,9 +347,35 @@ class SchedulerService(Actor):
         if self.table.finish(t.rid) is None:
             return
         self._release(t)
+        text, t.held = t.held + text, ""
         await self._send(t, t.take(text, finished=True, finish_reason=reason, matched_stop=matched, usage=Usage(
-            prompt_tokens=t.prompt_tokens, completion_tokens=len(t.output_ids), cached_tokens=t.cached_tokens),
+            prompt_tokens=t.prompt_tokens, completion_tokens=len(t.output_ids), cached_tokens=t.cached_tokens,
+            resamples=t.resamples),
             input_logprobs=t.input_logprobs, input_top_logprobs=t.input_top_logprobs, input_ids=t.prompt_ids))
+
+    async def _resample(self, t: Tracked, why: str) -> bool:
+        """A finished output failed the check of what its grammar does not enforce: sample it again
+        with another seed (greedy requests are sampled at temperature 1: greedy would repeat
+        itself), if nothing of it has reached the client and attempts remain. False: fail it."""
+        if t.resamples >= self.cfg.max_resamples or t.next_seq or t.exec_req is None:
+            return False
+        t.resamples += 1
+        self.resampled_total += 1
+        with log.bind_request(t.rid):
+            self.log.info("output failed its check; resampling", attempt=t.resamples + 1, why=why[:200])
+        s = t.exec_req.sampling
+        seed = (s.seed if s.seed is not None else 0x5EED) + 7919 * t.resamples
+        sampling = msgspec.structs.replace(s, seed=seed, temperature=s.temperature if s.temperature > 0 else 1.0)
+        req = msgspec.structs.replace(t.exec_req, sampling=sampling, after="", logprob_start=-1)
+        t.output_ids, t.logprobs, t.top_logprobs = [], [], []
+        t.prefix_offset = t.read_offset = t.sent = 0
+        t.text, t.held = "", ""
+        t.stops = StopMatcher(t.sampling.stop)
+        try:
+            await self.bus.request(subjects.executor_submit(t.executor), req, ExecAccepted, timeout=40)
+        except RadixflowError as e:
+            await self._fail(t, e.code, e.kind, f"resampling failed: {e.message}")
+        return True
 
     async def _fail(self, t: Tracked, code: int, kind: str, message: str, abort: bool = False) -> None:
         if self.table.finish(t.rid) is None:

@@ -28,8 +28,10 @@ def check_constraint(c: Constraint) -> None:
 
 
 class OutputCheck:
-    def __init__(self, c: Constraint):
+    def __init__(self, c: Constraint, backend: str = "", enforcement: str = "full"):
         self.kind = c.kind
+        self.backend = backend            # the grammar engine that enforces the rest
+        self.enforcement = enforcement    # checked: only this check enforces some constructs
         self.validator = None
         self.choices: list[str] = json.loads(c.spec) if c.kind == "choice" else []
         if c.kind == "json_schema":

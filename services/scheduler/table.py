@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from radixflow.shared.messages import SamplingParams, StreamChunk, StreamError, TopLogprobs
+from radixflow.shared.messages import ExecRequest, SamplingParams, StreamChunk, StreamError, TopLogprobs
 
 from .stops import StopMatcher
 from .structured import OutputCheck
@@ -41,6 +41,10 @@ class Tracked:
     input_logprobs: list[float] = field(default_factory=list)
     input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     json: bool = False            # the client asked for JSON stream items (public NATS API)
+    hold: bool = False            # structured output only checked at the end: no text before the check passes
+    held: str = ""                # ... the text held back so far
+    resamples: int = 0            # outputs discarded for failing the check
+    exec_req: ExecRequest | None = None   # what was sent to the executor (resampling sends it again)
     prompt_ids: list[int] = field(default_factory=list)            # from logprob_start: returned with their logprobs
     logprobs: list[float] = field(default_factory=list)            # aligned with output_ids (when asked)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
@@ -50,6 +54,8 @@ class Tracked:
 
     def __post_init__(self) -> None:
         self.stops = StopMatcher(self.sampling.stop)
+        # what the grammar does not enforce is checked at the end: the text waits for the check
+        self.hold = self.hold or (self.check is not None and self.check.enforcement == "checked")
 
     @property
     def incremental(self) -> bool:

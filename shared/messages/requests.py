@@ -79,6 +79,8 @@ class Accepted(Msg):
     prompt_tokens: int
     executor: str
     scheduler: str                    # the scheduler instance that owns the request's lifecycle
+    grammar_backend: str = ""         # structured output: the engine that compiled its grammar
+    enforcement: str = ""             # ... full, or checked (validated after, resampled; the stream is held)
 
 
 class AbortRequest(Msg):
@@ -90,6 +92,7 @@ class Usage(Msg):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    resamples: int = 0                # structured output: outputs discarded for failing the check
 
 
 class StreamChunk(Msg):
