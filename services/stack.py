@@ -24,6 +24,7 @@ class StackConfig:
     scheduler: SchedulerConfig
     gateway: GatewayConfig
     service: ServiceConfig = field(default_factory=ServiceConfig)
+    grammar_backend: str = "auto"      # xgrammar | llguidance | auto: for requests that name no engine
 
 
 def build(name: str, bus: Bus, cfg: StackConfig) -> Actor:
@@ -32,7 +33,7 @@ def build(name: str, bus: Bus, cfg: StackConfig) -> Actor:
         return TokenizerService(bus, cfg.executor.model, cfg.service)
     if name == "grammar":
         from .grammar.service import GrammarService
-        return GrammarService(bus, cfg.executor.model, cfg.service)
+        return GrammarService(bus, cfg.executor.model, cfg.service, backend=cfg.grammar_backend)
     if name == "radix":
         from .radix.service import RadixService
         return RadixService(bus, cfg.service)
@@ -105,4 +106,4 @@ def stack_config(nats_url: str, model: str, **over) -> StackConfig:
     sc = {k[3:]: v for k, v in over.items() if k.startswith("sc_")}
     return StackConfig(bus=load(BusConfig, nats_url=nats_url), executor=load(ExecutorConfig, model=model, **ex),
                        scheduler=load(SchedulerConfig, **sc), gateway=load(GatewayConfig, **gw),
-                       service=load(ServiceConfig))
+                       service=load(ServiceConfig), grammar_backend=over.get("gr_backend") or "auto")

@@ -46,7 +46,7 @@ DECODE_SCHEMA = {"type": "object", "properties": {"rows": {"type": "array", "min
 
 async def _compile(model: str, repeats: int) -> dict:
     from radixflow.services.grammar.compiler import Compiler
-    c = Compiler(model, deadline_s=60)
+    c = Compiler(model, deadline_s=60, backend="xgrammar")
     await c.start()
     try:
         t0 = time.perf_counter()
@@ -59,7 +59,7 @@ async def _compile(model: str, repeats: int) -> dict:
             hit = await c.compile("json_schema", spec)
             hits.append(time.perf_counter() - t0)
             assert hit.cache_hit and hit.key == cold.key
-        blob = c.fetch(cold.key)
+        blob = c.fetch(cold.key).data
     finally:
         await c.stop()
     return {"cold_compile_ms": round(cold_s * 1e3, 2), "cache_hit_ms_median": round(statistics.median(hits) * 1e3, 4),
@@ -68,12 +68,10 @@ async def _compile(model: str, repeats: int) -> dict:
 
 
 def _decode(model: str, blob: bytes, batch: int, new_tokens: int) -> dict:
-    import xgrammar as xgr
-
     from radixflow.services.executor.engine import Engine, EngineConfig
-    from radixflow.services.grammar.tokenizer_info import make_tokenizer_info
+    from radixflow.services.grammar.backends import make
     from radixflow.shared.messages import ExecRequest, SamplingParams
-    grammar = xgr.CompiledGrammar.deserialize_json(zlib.decompress(blob).decode(), make_tokenizer_info(model))
+    grammar = make("xgrammar", model).load(zlib.decompress(blob))
     engine = Engine(EngineConfig(model=model, max_running_requests=batch, burst_gap_s=0))
 
     def run(constrained: bool) -> float:
@@ -106,11 +104,11 @@ def run_structured(model: str, repeats: int = 200, batch: int = 16, new_tokens: 
 
     async def decode_blob():
         from radixflow.services.grammar.compiler import Compiler
-        c = Compiler(model, deadline_s=60)
+        c = Compiler(model, deadline_s=60, backend="xgrammar")
         await c.start()
         try:
             key = (await c.compile("json_schema", json.dumps(DECODE_SCHEMA))).key
-            return c.fetch(key)
+            return c.fetch(key).data
         finally:
             await c.stop()
     blob = asyncio.run(decode_blob())

@@ -2,10 +2,11 @@
 
     radixflow up [--model DIR] [--port 8000] [--nats-url URL] ...   every service in one process
     radixflow service NAME --nats-url URL [--model DIR] ...          one service
-    radixflow make-model PRESET DIR                                  a tiny HF checkpoint (tiny-dense, tiny-hybrid)
+    radixflow make-model PRESET DIR [--tokenizer qwen3.5]            a tiny HF checkpoint (tiny-dense, tiny-hybrid)
     radixflow schemas [--check]                                      write (or check) schemas/*.json
     radixflow memory [CONFIG] [--prefix-tokens N --copies C --json]  cache memory: calculator, or a server's
     radixflow bench decode|latency|shared-prefix|structured|program|sampler  benchmarks beside their baselines
+    radixflow bench schemas DIR         every JSON Schema in DIR through the stack: refusals, validity, compile time
 """
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ def _serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auth-file", default=None,
                    help='keys file (JSON or TOML): {"keys": {"KEY": {"tenant", "role", "group", "cache_salt", "limits"}}}')
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before an unfinished request fails")
+    p.add_argument("--grammar-backend", choices=("auto", "xgrammar", "llguidance"), default=None,
+                   help="structured output engine for requests that name none (default auto: xgrammar when it "
+                        "enforces the whole schema quickly, else llguidance)")
 
 
 def _overrides(a: argparse.Namespace) -> dict:
@@ -56,7 +60,8 @@ def _overrides(a: argparse.Namespace) -> dict:
                 ex_max_prefill_tokens=a.max_prefill_tokens, ex_max_model_len=a.max_model_len,
                 ex_disable_radix_cache=a.disable_radix_cache, ex_state_slots=a.state_slots,
                 ex_checkpoint_interval=a.checkpoint_interval, gw_host=a.host, gw_port=a.port,
-                gw_api_keys=tuple(a.api_key) if a.api_key else None, gw_auth_file=a.auth_file, sc_request_timeout_s=a.request_timeout)
+                gw_api_keys=tuple(a.api_key) if a.api_key else None, gw_auth_file=a.auth_file, sc_request_timeout_s=a.request_timeout,
+                gr_backend=a.grammar_backend)
 
 
 def cmd_up(a: argparse.Namespace) -> int:
@@ -90,7 +95,7 @@ def cmd_service(a: argparse.Namespace) -> int:
 
 def cmd_make_model(a: argparse.Namespace) -> int:
     from radixflow.services.modelgen.make import make_model
-    print(make_model(a.preset, a.dir, seed=a.seed))
+    print(make_model(a.preset, a.dir, seed=a.seed, tokenizer=a.tokenizer))
     return 0
 
 
@@ -163,10 +168,18 @@ def cmd_bench(a: argparse.Namespace) -> int:
     elif a.which == "program":
         from radixflow.services.bench.program import run_program
         models = [resolve_model(m) for m in (a.model.split(",") if a.model else ["tiny-dense", "tiny-hybrid"])]
-        out = run_program(models, a.preamble, a.suffix, a.requests, a.max_tokens)
+        out = run_program(models, a.preamble, a.suffix, a.requests, a.max_tokens or 64)
     elif a.which == "sampler":
         from radixflow.services.bench.sampler import run_sampler
         out = run_sampler(batch=a.rows, vocab=a.vocab, repeats=a.repeats)
+    elif a.which == "schemas":
+        from radixflow.services.bench.schemas import SchemasBenchConfig, run_schemas
+        if not a.dir:
+            print("bench schemas needs a DIR of *.json schemas", file=sys.stderr)
+            return 2
+        run_schemas(model, a.dir, a.backend, a.json, SchemasBenchConfig(
+            max_tokens=a.max_tokens or 2048, samples=a.samples, concurrency=a.concurrency, limit=a.limit))
+        return 0
     elif a.which == "shared-prefix":
         from radixflow.services.bench.shared_prefix import run_shared_prefix
         out = run_shared_prefix(model, a.preamble, a.suffix, a.requests, a.output_tokens, a.first_alone)
@@ -193,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("preset", help="tiny-dense | tiny-hybrid")
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", choices=("local", "qwen3.5"), default="local",
+                   help="local: the shipped 8k BPE; qwen3.5: the real Qwen3.5/3.6 tokenizer (248,320-row embedding, "
+                        "tied to the LM head)")
     p.set_defaults(fn=cmd_make_model)
     p = sub.add_parser("schemas", help="write the JSON Schemas of the bus messages (or --check for drift)")
     p.add_argument("--dir", default="schemas")
@@ -208,14 +224,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_memory)
     p = sub.add_parser("bench", help="benchmarks, each beside its baseline in one run")
-    p.add_argument("which", help="decode | latency | shared-prefix | structured | program | sampler")
+    p.add_argument("which", help="decode | latency | shared-prefix | structured | program | sampler | schemas")
+    p.add_argument("dir", nargs="?", help="schemas: a directory of *.json JSON Schemas")
     p.add_argument("--model", default=None, help="a preset (tiny-dense, tiny-hybrid) or a model directory "
                                                  "(default: tiny-dense for shared-prefix, both for program "
                                                  "(comma-separated), else tiny-hybrid)")
     p.add_argument("--preamble", type=int, default=3000, help="shared-prefix: preamble tokens")
     p.add_argument("--suffix", type=int, default=100, help="shared-prefix: suffix tokens per request")
     p.add_argument("--requests", type=int, default=40, help="shared-prefix, program: number of requests (children)")
-    p.add_argument("--max-tokens", type=int, default=64, help="program: max_tokens of each JSON answer")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="program, schemas: max_tokens of each JSON answer (default 64, schemas 2048)")
+    p.add_argument("--samples", type=int, default=1, help="schemas: answers per schema (seeds 0, 1, ...)")
+    p.add_argument("--concurrency", type=int, default=4, help="schemas: schemas in flight")
+    p.add_argument("--limit", type=int, default=0, help="schemas: only N files, spread over the sorted names")
+    p.add_argument("--backend", default="auto", help="schemas: grammar backend (auto: the server's choice)")
+    p.add_argument("--json", default=None, help="schemas: write the per-schema results to this file")
     p.add_argument("--output-tokens", type=int, default=8, help="shared-prefix: tokens generated per request")
     p.add_argument("--first-alone", action="store_true", help="shared-prefix: send the first request before the rest")
     p.add_argument("--batch", default="1,16", help="decode: comma-separated batch sizes")

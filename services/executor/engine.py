@@ -109,7 +109,7 @@ class Engine:
                              f"{self.num_pages * self.page_size}", param="max_new_tokens")
 
     def add(self, req: ExecRequest, grammar=None) -> None:
-        """Queue a request; `grammar` (an xgrammar CompiledGrammar) constrains its output."""
+        """Queue a request; `grammar` (a loaded grammar of either engine, GrammarStore.get) constrains its output."""
         self.validate(req)
         seq = Sequence(rid=req.rid, tokens=list(req.input_ids), sampling=req.sampling,
                        eos_ids=frozenset(req.eos_token_ids), namespace=req.namespace,
@@ -118,8 +118,7 @@ class Engine:
                        logprob_start=req.logprob_start,
                        after=req.after)
         if grammar is not None:
-            import xgrammar as xgr
-            seq.matcher = xgr.GrammarMatcher(grammar)
+            seq.matcher = grammar.matcher()
         with self._lock:
             if req.rid in self._live or any(s.rid == req.rid for s in self._new):
                 raise BadRequest(f"request id {req.rid!r} is already running", param="rid")

@@ -1,30 +1,32 @@
 """GrammarStore: the executor's local cache of compiled grammars, fetched by key from the grammar
-service once and deserialized against this executor's own tokenizer info, so a hot schema costs
-neither a compile nor a transfer per request."""
+service once and loaded by the engine that compiled them (GrammarBlob.backend) against this
+executor's own tokenizer state, so a hot schema costs neither a compile nor a transfer per request."""
 from __future__ import annotations
 
 import asyncio
 import zlib
 from collections import OrderedDict
 
-import xgrammar as xgr
-
+from radixflow.services.grammar.backends.base import Backend, Grammar
 from radixflow.shared import subjects
 from radixflow.shared.bus import Bus
+from radixflow.shared.errors import RadixflowError
 from radixflow.shared.messages import GrammarBlob, GrammarFetch
 
 
 class GrammarStore:
-    def __init__(self, bus: Bus, tokenizer_info: "xgr.TokenizerInfo", capacity: int = 256):
+    def __init__(self, bus: Bus, backends: dict[str, Backend], unavailable: dict[str, str] | None = None,
+                 capacity: int = 256):
         self.bus = bus
-        self.info = tokenizer_info
+        self.backends = backends
+        self.unavailable = unavailable or {}   # engine -> why it cannot serve this model
         self.capacity = capacity
-        self._cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._inflight: dict[str, asyncio.Future] = {}
         self.fetches = 0
         self.hits = 0
 
-    async def get(self, key: str) -> "xgr.CompiledGrammar":
+    async def get(self, key: str) -> Grammar:
         g = self._cache.get(key)
         if g is not None:
             self._cache.move_to_end(key)
@@ -36,11 +38,15 @@ class GrammarStore:
             fut.add_done_callback(lambda _: self._inflight.pop(key, None))
         return await asyncio.shield(fut)
 
-    async def _fetch(self, key: str) -> "xgr.CompiledGrammar":
+    async def _fetch(self, key: str) -> Grammar:
         blob = await self.bus.request(subjects.GRAMMAR_FETCH, GrammarFetch(key=key), GrammarBlob, timeout=30)
         self.fetches += 1
-        text = zlib.decompress(blob.data).decode()
-        g = await asyncio.get_running_loop().run_in_executor(None, xgr.CompiledGrammar.deserialize_json, text, self.info)
+        backend = self.backends.get(blob.backend)
+        if backend is None:
+            why = self.unavailable.get(blob.backend, "unknown engine")
+            raise RadixflowError(f"this executor cannot load {blob.backend} grammars: {why}")
+        raw = zlib.decompress(blob.data)
+        g = await asyncio.get_running_loop().run_in_executor(None, backend.load, raw)
         self._cache[key] = g
         while len(self._cache) > self.capacity:
             self._cache.popitem(last=False)

@@ -50,7 +50,7 @@ class Sequence:
     tail_slot: int = -1          # decode keeps the state of the latest page boundary here ...
     tail_pos: int = 0            # ... which is this position (0: none yet)
     checkpoint_at: list[int] = field(default_factory=list)   # extra checkpoints asked for (fork points)
-    matcher: Any = None          # structured output: an xgrammar GrammarMatcher over the output
+    matcher: Any = None          # structured output: a grammar Matcher (grammar/backends) over the output
     priority: int = 0            # admission order (speculative program branches: lower)
     quota_pages: int = 0         # > 0: its namespace's owner may keep at most this many cached pages (radix)
     pin: str = ""                # programs: keep the cached prefix locked under this key at release

@@ -65,11 +65,15 @@ class ExecutorService(Actor):
                             burst_gap_s=cfg.burst_gap_s, burst_wait_s=cfg.burst_wait_s,
                             state_slots=cfg.state_slots, checkpoint_interval=cfg.checkpoint_interval)
         loop = asyncio.get_running_loop()
+        # the grammar engines' tokenizer state first (seconds at a 248k vocab): the Engine registers
+        # its pool with radix, which drops a pool whose heartbeats (from after on_start) are late
+        from radixflow.services.grammar.backends import make_all
+        backends, unavailable = await loop.run_in_executor(None, make_all, cfg.model)
         pages = RemotePages(self.bus, loop, self.instance)
         self.engine = await loop.run_in_executor(self._thread, Engine, ecfg, pages)
-        from radixflow.services.grammar.tokenizer_info import make_tokenizer_info
-        info = await loop.run_in_executor(None, make_tokenizer_info, cfg.model)
-        self.grammars = GrammarStore(self.bus, info)
+        for name, why in unavailable.items():
+            self.log.warning("grammar engine unavailable for this model", backend=name, error=why)
+        self.grammars = GrammarStore(self.bus, backends, unavailable)
         self._running.set()
         self.spawn("compute", self._compute_loop)
         self.spawn("publisher", self._publisher)

@@ -1,7 +1,7 @@
 """GrammarCache: compiled grammars by key, least recently used evicted first, bounded in bytes.
 
-The size of an entry is the length of its stored blob (zlib-compressed serialize_json()), which
-is what occupies memory here and what a GrammarFetch sends. Not thread-safe: the service uses it
+The size of an entry is the length of its stored blob (the engine's zlib-compressed serialized
+grammar), which is what occupies memory here and what a GrammarFetch sends. Not thread-safe: the service uses it
 from the event loop only.
 """
 from __future__ import annotations
@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class CacheEntry:
-    data: bytes          # zlib-compressed CompiledGrammar.serialize_json()
+    data: bytes          # zlib-compressed Compiled.raw of its engine (backends/)
     raw_size: int        # bytes of the uncompressed serialization
     compile_s: float     # what the compile cost, reported on hits too for insight
+    backend: str = "xgrammar"     # the engine that compiled it, hence loads it in the executor
+    enforcement: str = "full"     # checked: the finished output must be validated
 
 
 class GrammarCache:

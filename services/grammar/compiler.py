@@ -1,30 +1,36 @@
 """Compiler: constraint -> cached, compiled grammar, never blocking the event loop.
 
-    compile(kind, spec)
-      canonicalize -> key -> cache hit? return       (microseconds: no lint, no compile)
+    compile(kind, spec, backend)
+      backend auto? -> the rule in _auto, which compiles with one engine or both as below
+      canonicalize -> key (engine included) -> cache hit? return   (microseconds: no lint, no compile)
       in flight for this key? await that compile      (single flight: one compile per key)
-      lint (json_schema) -> idle worker -> compile in its process, killed at the deadline
-      -> reject output xgrammar warned it cannot enforce -> cache
+      prepare (xgrammar, json_schema: normalize, relax; lint.prepare) -> idle worker -> compile
+      in its process with the chosen engine (backends/), killed at the deadline
+      -> reject output xgrammar warned it cannot enforce -> cache (engine, enforcement)
 
 A stuck compile holds one worker; the others keep serving. A killed worker is replaced in the
-background (a fresh process needs ~2 s to import xgrammar and build its TokenizerInfo).
+background (a fresh process needs ~3 s to import the engines and build their tokenizer state).
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from jsonschema import Draft202012Validator, SchemaError
+
 from radixflow.shared import log
 from radixflow.shared.errors import BadRequest, RadixflowError
 
 from .cache import CacheEntry, GrammarCache
 from .histogram import Histogram
-from .keys import Canonical, canonicalize, grammar_key
-from .lint import check_schema
+from .backends.base import CHECKED, FULL
+from .keys import BACKENDS, Canonical, canonicalize, grammar_key
+from .lint import prepare
 from .tokenizer_info import tokenizer_identity
 from .worker import CompileTimeout, Worker, WorkerDied
 
@@ -37,7 +43,29 @@ _WHAT = {"json_schema": "the JSON schema", "json_object": "json_object", "regex"
 # any other warning means part of the constraint would silently not hold: the request is refused.
 _VALIDATED_WARNINGS = ("oneOf with overlapping", "pattern combined with minLength/maxLength",
                        "format combined with minLength/maxLength")
+# auto: JSON schemas longer than this go to llguidance first (see Compiler._auto)
+AUTO_MAX_SCHEMA_BYTES = 32 << 10
 _log = log.get("grammar")
+
+
+def _check_valid(schema: dict) -> None:
+    """llguidance does not check that a schema is valid Draft 2020-12 ({"minLength": -1} passes);
+    lint.prepare does for xgrammar, but also normalizes (over a second for a 77 KB schema)."""
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as e:
+        raise BadRequest(f"invalid JSON Schema at {e.json_path}: {e.message}", param="response_format") from None
+    except RecursionError:
+        raise BadRequest("the JSON Schema is nested too deeply", param="response_format") from None
+
+
+class _OverBudget(BadRequest):
+    """An auto try of xgrammar gave up (over the budget); auto then takes llguidance."""
+
+
+class _SchemaRefused(BadRequest):
+    """lint.prepare refused the schema itself (invalid, unsatisfiable, references we do not follow):
+    final for auto too, whichever engine could have compiled the rest."""
 
 
 @dataclass(frozen=True)
@@ -46,14 +74,23 @@ class Compiled:
     size: int            # bytes of the uncompressed serialization
     compile_s: float     # 0 on a cache hit
     cache_hit: bool
+    enforcement: str = "full"   # "checked": the output must be validated (lint.prepare, or the engine's report)
+    backend: str = "xgrammar"   # the engine that compiled it (its executor side masks the logits)
 
 
 class Compiler:
     def __init__(self, model_dir: str | Path, *, deadline_s: float = 10.0, cache_bytes: int = 256 << 20,
                  workers: int = 2, max_blob_bytes: int | None = None, max_threads: int = 2,
-                 startup_timeout_s: float = 120.0):
+                 startup_timeout_s: float = 120.0, backend: str = "auto", auto_budget_s: float = 1.0):
+        if backend not in (*BACKENDS, "auto"):
+            raise ValueError(f"unknown grammar backend {backend!r}; one of {', '.join(BACKENDS)}, auto")
         self.model_dir = str(model_dir)
         self.deadline_s = deadline_s
+        self.backend = backend             # what a request that names no engine gets
+        # auto: a request whose xgrammar job runs longer than this on its worker takes llguidance
+        # (the job itself goes on to the deadline: killing it at the budget would, under load, kill
+        # compiles that are only slow for lack of CPU, and each respawn costs seconds of CPU more)
+        self.auto_budget_s = auto_budget_s
         self.cache = GrammarCache(cache_bytes)
         # a blob the cache cannot hold could never be fetched
         self.max_blob_bytes = min(max_blob_bytes or cache_bytes, cache_bytes)
@@ -69,9 +106,11 @@ class Compiler:
         self._idle: asyncio.Queue[Worker] = asyncio.Queue()
         self._workers: set[Worker] = set()
         self._inflight: dict[str, asyncio.Future] = {}
-        # key -> (400 message, expiry): a resent bad or hostile grammar is refused at once instead
-        # of occupying a worker again (expiring, since a deadline also depends on the load then)
-        self._refused: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._started: dict[str, asyncio.Event] = {}   # in-flight job -> set once a worker runs it
+        # key -> (400 message, expiry, its class): a resent bad or hostile grammar is refused at
+        # once instead of occupying a worker again (expiring, since a deadline also depends on the
+        # load then)
+        self._refused: OrderedDict[str, tuple[str, float, type[BadRequest]]] = OrderedDict()
         self._tasks: set[asyncio.Task] = set()
         # blocking pipe waits and worker startups; lint of big schemas
         self._threads = ThreadPoolExecutor(2 * workers + 2, thread_name_prefix="grammar")
@@ -81,8 +120,9 @@ class Compiler:
 
     async def start(self, wait_workers: bool = True) -> None:
         """Load the tokenizer identity and start the workers. With wait_workers=False the workers
-        come up in the background (~2 s: a process importing xgrammar) and early compiles wait
-        for the first one; a bad model path still fails here, on the identity."""
+        come up in the background (~3 s: a process importing both engines and building their
+        tokenizer state) and early compiles wait for the first one; a bad model path still fails
+        here, on the identity."""
         loop = asyncio.get_running_loop()
         self.identity = await loop.run_in_executor(self._threads, tokenizer_identity, self.model_dir)
         if wait_workers:
@@ -147,56 +187,133 @@ class Compiler:
 
     # ------------------------------------------------------------ compile / fetch
 
-    async def compile(self, kind: str, spec: str) -> Compiled:
+    async def compile(self, kind: str, spec: str, backend: str = "") -> Compiled:
+        """Compile with `backend` (xgrammar | llguidance | auto; "": this compiler's default)."""
         canon = canonicalize(kind, spec)
-        key = grammar_key(canon, self.identity)
+        choice = backend or self.backend
+        if choice == "auto":
+            return await self._auto(canon)
+        if choice not in BACKENDS:
+            raise BadRequest(f"unknown grammar backend {choice!r}; one of {', '.join(BACKENDS)}, auto", param="backend")
+        return await self._compile(canon, choice)
+
+    async def _auto(self, canon: Canonical) -> Compiled:
+        """The `auto` rule: xgrammar when it enforces the whole constraint within the budget (the
+        lint finds nothing it must leave to the output check, it prints no warning, its grammar
+        is under AUTO_MAX_EBNF and the job takes under auto_budget_s); otherwise llguidance when
+        that enforces all of it; otherwise whichever compiles, xgrammar first. A schema the lint
+        refuses outright (lint.prepare's 400s) is refused, not handed to llguidance. Schemas over
+        AUTO_MAX_SCHEMA_BYTES (generated API schemas: many $refs, which blow up xgrammar's blob)
+        go to llguidance first, and to xgrammar only when llguidance refuses them. A hit on
+        either engine's entry costs a hash and a lookup each (microseconds)."""
+        large = canon.kind == "json_schema" and len(canon.text) > AUTO_MAX_SCHEMA_BYTES
+        order = ("llguidance", "xgrammar") if large else ("xgrammar", "llguidance")
+        first = first_error = None
+        try:
+            first = await self._compile(canon, order[0], budgeted=order[0] == "xgrammar")
+            if first.enforcement == FULL or large:
+                return first
+        except _SchemaRefused:
+            raise
+        except BadRequest as e:
+            first_error = e
+        try:
+            second = await self._compile(canon, order[1], budgeted=order[1] == "xgrammar")
+        except BadRequest as e:
+            if first is not None:
+                return first
+            # both refused: the first engine's reason, unless it only ran out of budget
+            raise (e if isinstance(first_error, _OverBudget) else first_error) from None
+        return second if first is None or second.enforcement == FULL else first
+
+    async def _compile(self, canon: Canonical, backend: str, budgeted: bool = False) -> Compiled:
+        key = grammar_key(canon, self.identity, backend)
         entry = self.cache.get(key)
         if entry is not None:
-            return Compiled(key, entry.raw_size, 0.0, True)
-        refused = self._refused.get(key)
-        if refused is not None and refused[1] > time.monotonic():
-            raise BadRequest(refused[0], param="response_format")
-        fut = self._inflight.get(key)
+            return Compiled(key, entry.raw_size, 0.0, True, entry.enforcement, backend)
+        # a budgeted (auto) try is its own job: its failures refuse only auto's next try, and an
+        # explicit request never waits on, or inherits the budget of, an auto one
+        job = key + "/auto" if budgeted else key
+        now = time.monotonic()
+        for k in (key, job):
+            refused = self._refused.get(k)
+            if refused is not None and refused[1] > now:
+                raise refused[2](refused[0], param="response_format")
+        fut = self._inflight.get(job)
         if fut is None:
-            fut = self._inflight[key] = asyncio.ensure_future(self._compile_miss(canon, key))
-            fut.add_done_callback(lambda f: self._settled(key, f))
+            started = self._started[job] = asyncio.Event()
+            fut = self._inflight[job] = asyncio.ensure_future(self._compile_miss(canon, key, backend, budgeted,
+                                                                                 started))
+            fut.add_done_callback(lambda f: self._settled(job, f))
         else:
             self.coalesced += 1
-        entry = await asyncio.shield(fut)   # a waiter that gives up does not cancel the others' compile
-        return Compiled(key, entry.raw_size, entry.compile_s, False)
+        # a waiter that gives up does not cancel the others' compile
+        entry = await (self._within_budget(job, fut) if budgeted else asyncio.shield(fut))
+        return Compiled(key, entry.raw_size, entry.compile_s, False, entry.enforcement, backend)
+
+    async def _within_budget(self, job: str, fut: asyncio.Future) -> CacheEntry:
+        """The job's entry if its worker finishes it within auto_budget_s (the clock starts when a
+        worker takes it: waiting in the queue is not the engine's fault); else _OverBudget, and
+        auto's next requests skip this job until it is cached (or fails at its deadline)."""
+        started = self._started.get(job)
+        if started is not None and not fut.done():
+            waiter = asyncio.ensure_future(started.wait())
+            await asyncio.wait({fut, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), self.auto_budget_s)
+        except asyncio.TimeoutError:
+            why = f"compiling took longer than the auto budget of {self.auto_budget_s:g}s"
+            self._refuse(job, why, _OverBudget)
+            raise _OverBudget(why, param="response_format") from None
 
     def _settled(self, key: str, fut: asyncio.Future) -> None:
         self._inflight.pop(key, None)
+        self._started.pop(key, None)
         if fut.cancelled():
             return
         err = fut.exception()   # retrieved even when every waiter gave up, so asyncio does not warn
         if isinstance(err, BadRequest):
-            self._refused[key] = (err.message, time.monotonic() + REFUSED_TTL_S)
-            self._refused.move_to_end(key)
-            while len(self._refused) > REFUSED_MAX:
-                self._refused.popitem(last=False)
+            self._refuse(key, err.message, type(err))
 
-    def fetch(self, key: str) -> bytes | None:
-        entry = self.cache.peek(key)
-        return entry.data if entry is not None else None
+    def _refuse(self, key: str, message: str, cls: type[BadRequest]) -> None:
+        self._refused[key] = (message, time.monotonic() + REFUSED_TTL_S, cls)
+        self._refused.move_to_end(key)
+        while len(self._refused) > REFUSED_MAX:
+            self._refused.popitem(last=False)
 
-    async def _compile_miss(self, canon: Canonical, key: str) -> CacheEntry:
+    def fetch(self, key: str) -> CacheEntry | None:
+        return self.cache.peek(key)
+
+    async def _compile_miss(self, canon: Canonical, key: str, backend: str, budgeted: bool,
+                            started: asyncio.Event) -> CacheEntry:
         # compile_s is what the miss cost the request (lint, waiting for a worker, compile, serialize,
-        # compress), which is what the histogram should show; xgrammar's own share is logged
+        # compress), which is what the histogram should show; the engine's own share is logged
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
-        if canon.kind == "json_schema":
-            await loop.run_in_executor(self._threads, check_schema, canon.value)
+        text, enforcement = canon.text, FULL
+        if canon.kind == "json_schema" and backend == "xgrammar":
+            # the key stays that of the schema as sent (a hit needs no normalization); the worker
+            # compiles the prepared one. llguidance takes the schema as sent: it reports itself what
+            # it ignores (backends/llguidance.py)
+            try:
+                prepared, enforcement = await loop.run_in_executor(self._threads, prepare, canon.value)
+            except BadRequest as e:
+                raise _SchemaRefused(e.message, param=e.param) from None
+            text = json.dumps(prepared, separators=(",", ":"), ensure_ascii=False)
+        elif canon.kind == "json_schema":
+            await loop.run_in_executor(self._threads, _check_valid, canon.value)
         worker = await self._idle.get()
+        started.set()
         self.compiles += 1
         try:
-            result = await loop.run_in_executor(self._threads, worker.run, canon.kind, canon.text,
-                                                self.max_blob_bytes, self.deadline_s)
+            result = await loop.run_in_executor(self._threads, worker.run, backend, canon.kind, text,
+                                                self.max_blob_bytes, self.deadline_s, budgeted)
         except CompileTimeout:
             self.timeouts += 1
             self._replace(worker)
             _log.warning("grammar compile hit the deadline; worker replaced", kind=canon.kind, key=key[:16],
-                         deadline_s=self.deadline_s)
+                         backend=backend, deadline_s=self.deadline_s)
             raise BadRequest(f"compiling this grammar took longer than {self.deadline_s:g}s; simplify it "
                              "(deep nesting, large ranges, long alternations)", param="response_format") from None
         except WorkerDied as e:
@@ -206,27 +323,33 @@ class Compiler:
             raise RadixflowError(f"the grammar compiler crashed on {_WHAT[canon.kind]}: {e}") from None
         self._idle.put_nowait(worker)
         status, warnings = result[0], result[-1]
+        if status == "over_budget":
+            raise _OverBudget(f"{backend} would exceed the auto budget: {result[1]}", param="response_format")
         if status != "ok":
             self.failures += 1
             why = result[1] if status == "too_large" else f"{_WHAT[canon.kind]} does not compile: {result[1]}"
             raise BadRequest(why, param="response_format")
-        allowed = _VALIDATED_WARNINGS if canon.kind == "json_schema" else ()
-        unenforced = [w for w in warnings if not any(a in w for a in allowed)]
-        if unenforced:
-            self.failures += 1
-            raise BadRequest(f"{_WHAT[canon.kind]} cannot be enforced exactly: {unenforced[0]}",
-                             param="response_format")
-        _, blob, raw_size, xgrammar_s, _ = result
+        _, blob, raw_size, engine_s, engine_enforcement, notes, _ = result
+        if backend == "xgrammar":
+            allowed = _VALIDATED_WARNINGS if canon.kind == "json_schema" else ()
+            unenforced = [w for w in warnings if not any(a in w for a in allowed)]
+            if unenforced:
+                self.failures += 1
+                raise BadRequest(f"{_WHAT[canon.kind]} cannot be enforced exactly: {unenforced[0]}",
+                                 param="response_format")
+        if engine_enforcement == CHECKED:
+            enforcement = CHECKED
         compile_s = time.perf_counter() - t0
         self.compile_seconds.observe(compile_s)
-        _log.debug("grammar compiled", kind=canon.kind, key=key[:16], seconds=round(compile_s, 4),
-                   xgrammar_s=round(xgrammar_s, 4), raw_bytes=raw_size, blob_bytes=len(blob))
-        entry = CacheEntry(blob, raw_size, compile_s)
+        _log.debug("grammar compiled", kind=canon.kind, key=key[:16], backend=backend, enforcement=enforcement,
+                   seconds=round(compile_s, 4), engine_s=round(engine_s, 4), raw_bytes=raw_size,
+                   blob_bytes=len(blob), notes=notes[:3])
+        entry = CacheEntry(blob, raw_size, compile_s, backend, enforcement)
         self.cache.put(key, entry)
         return entry
 
     def stats(self) -> dict:
         return {**self.cache.stats(), "compiles": self.compiles, "failures": self.failures, "refused": len(self._refused),
                 "timeouts": self.timeouts, "coalesced": self.coalesced, "workers_alive": self.workers_alive,
-                "workers_idle": self.workers_ready, "deadline_s": self.deadline_s,
+                "workers_idle": self.workers_ready, "deadline_s": self.deadline_s, "backend": self.backend,
                 "max_blob_bytes": self.max_blob_bytes}

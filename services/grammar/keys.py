@@ -1,7 +1,8 @@
 """Canonical form and cache key of a constraint.
 
 Two requests share a compiled grammar exactly when their canonical forms, the tokenizer, the
-xgrammar version and our compile options are the same:
+grammar engine (xgrammar or llguidance), its version and our compile options are the same; a
+constraint compiled by both engines is two entries:
 
     json_schema   the parsed JSON re-serialized compactly; whitespace-insensitive, but property
                   ORDER is kept: xgrammar makes the model write properties in declared order
@@ -21,7 +22,7 @@ from typing import Any
 from radixflow.shared.errors import BadRequest
 
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice")
-XGRAMMAR_VERSION = version("xgrammar")
+BACKENDS = ("xgrammar", "llguidance")
 
 # Whitespace: any whitespace, at most 2 characters per gap. Unbounded whitespace lets a model loop
 # on newlines forever (a known failure with small/quantized models), and forced compact separators
@@ -34,10 +35,21 @@ JSON_OPTIONS: dict[str, Any] = {"any_whitespace": True, "max_whitespace_cnt": 2,
 # every other JSON output. additionalProperties must be explicit: strict mode closes objects.
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object", "additionalProperties": True}
 
-# Bump when lint or compile semantics change, so old cache entries are never reused.
-POLICY = "rf-grammar-1"
+# llguidance's JSON options (overriding any "x-guidance" in the schema): the same whitespace bound;
+# keywords it does not implement are ignored and oneOf is read as anyOf, both validated afterwards
+# (backends/llguidance.py).
+LLGUIDANCE_JSON_OPTIONS: dict[str, Any] = {
+    "whitespace_pattern": r"[\x20\x0A\x0D\x09]{1,2}", "item_separator": ",", "key_separator": ":",
+    "lenient": True, "coerce_one_of": True}
 
-_OPTIONS_TAG = json.dumps({"json": JSON_OPTIONS, "policy": POLICY}, sort_keys=True)
+# Bump when lint or compile semantics change, so old cache entries are never reused.
+POLICY = "rf-grammar-2"      # 2: schemas are normalized and relaxed before compiling (lint.prepare)
+
+_OPTIONS_TAG = {
+    "xgrammar": json.dumps({"json": JSON_OPTIONS, "policy": POLICY, "version": version("xgrammar")}, sort_keys=True),
+    "llguidance": json.dumps({"json": LLGUIDANCE_JSON_OPTIONS, "policy": POLICY, "version": version("llguidance")},
+                             sort_keys=True),
+}
 
 
 @dataclass(frozen=True)
@@ -83,9 +95,9 @@ def canonicalize(kind: str, spec: str) -> Canonical:
     raise BadRequest(f"unknown constraint kind {kind!r}; one of {', '.join(KINDS)}", param="response_format")
 
 
-def grammar_key(canon: Canonical, tokenizer_identity: str) -> str:
+def grammar_key(canon: Canonical, tokenizer_identity: str, backend: str = "xgrammar") -> str:
     h = hashlib.sha256()
-    for part in (canon.kind, canon.text, tokenizer_identity, XGRAMMAR_VERSION, _OPTIONS_TAG):
+    for part in (canon.kind, canon.text, tokenizer_identity, backend, _OPTIONS_TAG[backend]):
         data = part.encode("utf-8", "surrogatepass")
         h.update(b"%d:" % len(data))     # length-prefixed: no two part lists hash alike
         h.update(data)

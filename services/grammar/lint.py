@@ -3,57 +3,61 @@
 xgrammar 0.2.9 compiles a schema into a grammar, but it silently drops or weakens some keywords
 (sometimes with a stderr warning, often without). Each row below was measured against the
 installed xgrammar by comparing what the grammar accepts with what jsonschema accepts
-(any_whitespace, max_whitespace_cnt=2, strict_mode).
+(any_whitespace, max_whitespace_cnt=2, strict_mode). `prepare(schema)` first rewrites the schema
+(normalize.py: same meaning, constraints moved to where a grammar reads them), then relaxes what
+no grammar enforces.
 
 | Construct | Status |
 |---|---|
 | `type` (all seven, and lists such as `["string","null"]`) | enforced |
-| `enum`, `const` | enforced (values are written in compact JSON) |
+| `enum`, `const` | enforced (values are written in compact JSON; values failing the keywords beside them are dropped) |
 | `minLength`, `maxLength` (code points) | enforced |
-| `pattern` | enforced, except lookaround `(?=` `(?!` `(?<=` `(?<!` (rejected); backreferences, `\\b`, `\\p{..}` are compile errors and `^`/`$` mid-pattern is refused (400) |
-| `format`: date, time, date-time, duration, email, hostname, ipv4, ipv6, uri, uri-reference, uri-template, json-pointer, relative-json-pointer, uuid | approximate (xgrammar's regexes, e.g. 2024-02-30 passes): validated |
-| `format`: regex, iri, iri-reference, idn-email, idn-hostname | rejected (not enforced at all) |
+| `pattern` | enforced; lookaround `(?=` `(?!` `(?<=` `(?<!`: checked (the grammar gets the pattern without them); backreferences, `\\b`, `\\p{..}` are compile errors and `^`/`$` mid-pattern is refused (400) |
+| `format`: date, time, date-time, duration, email, hostname, ipv4, ipv6, uri, uri-reference, uri-template, json-pointer, relative-json-pointer, uuid | approximate (xgrammar's regexes, e.g. 2024-02-30 passes): checked |
+| `format`: regex, iri, iri-reference, idn-email, idn-hostname | checked (not enforced at all) |
 | `format`: any other (custom) value | annotation only, as Draft 2020-12 defines |
-| `pattern`/`format` combined with `minLength`/`maxLength`, or `format` with `pattern` | approximate (only the pattern/format is enforced): validated |
-| `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` | enforced (integer bounds must be whole numbers) |
+| `pattern`/`format` combined with `minLength`/`maxLength`, or `format` with `pattern` | approximate (only the pattern/format is enforced): checked |
+| `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` | enforced (integer bounds are rounded to whole numbers) |
 | `multipleOf` on `integer` | enforced |
-| `multipleOf` on `number` | rejected (ignored by xgrammar) |
+| `multipleOf` on `number` | checked (ignored by xgrammar) |
 | `items`, `prefixItems`, `minItems`, `maxItems`, `unevaluatedItems` | enforced |
-| `uniqueItems: true` | rejected (ignored) |
-| `contains`, `minContains`, `maxContains` | rejected (ignored) |
-| `properties`, `additionalProperties` (bool or schema), `unevaluatedProperties`, `propertyNames`, `minProperties`, `maxProperties` | enforced |
-| `required` | enforced for declared properties; a required name missing from `properties` is rejected (ignored) |
-| `patternProperties` | rejected (matching keys can never be written) |
-| `dependentRequired`, `dependentSchemas`, `dependencies` | rejected (ignored) |
-| `anyOf` | enforced |
-| `oneOf` | approximate (anyOf semantics unless branches are provably disjoint): validated |
-| `allOf` with one subschema | enforced; with several: rejected (ignored) |
-| `not`, `if`/`then`/`else` | rejected (ignored) |
-| `$ref` to `#` or `#/...` (recursion included), `$defs`, `definitions` | enforced |
-| `$ref` to anything else (remote, `#anchor`, relative to `$id`), `$dynamicRef`, `$recursiveRef`, `$id` below the root | rejected (ignored) |
-| assertion keywords beside `$ref`, `anyOf` or `oneOf` | rejected (xgrammar ignores the siblings) |
-| type-specific keywords (e.g. `maxLength`, `minimum`, `required`, `maxItems`) without a `type` naming that type | rejected (ignored) |
-| `enum`/`const` with sibling keywords some value violates | rejected (only the enum is enforced) |
-| `title`, `description`, `default`, `examples`, `deprecated`, `readOnly`, `writeOnly`, `$comment`, `$schema`, `$anchor`, `content*` | annotations |
+| `uniqueItems: true` | checked (ignored) |
+| `contains`, `minContains`, `maxContains` | checked (ignored) |
+| `properties`, `additionalProperties` (bool or schema), `unevaluatedProperties`, `propertyNames`, `minProperties`, `maxProperties` | enforced; `unevaluatedProperties` beside `anyOf`/`oneOf`: checked |
+| `required` | enforced; a required name missing from `properties` is declared there |
+| `patternProperties` | checked (matching keys are written only through `properties`/`additionalProperties`) |
+| `dependentRequired`, `dependentSchemas` (and draft-7 `dependencies`) | enforced (rewritten to `anyOf`, up to 4 conditionals per object); more: checked |
+| `anyOf` | enforced (keywords beside it are merged into every branch) |
+| `oneOf` | enforced when its branches are provably disjoint (rewritten to `anyOf`); else approximate: checked |
+| `allOf` | enforced (merged into one schema); parts that cannot be merged (two patterns, formats or `contains`): checked |
+| `if`/`then`/`else` | enforced when `if` only tests properties (rewritten to `anyOf`); else checked (ignored) |
+| `not` | beside an `enum` (also from `if`/`then`/`else`): enforced (the values are removed); else checked (ignored) |
+| `$ref` to `#`, `#/...` or `#anchor` (recursion included), `$defs`, `definitions`, keywords beside `$ref` | enforced |
+| `$ref` to anything else (remote, relative to `$id`), `$dynamicRef`, `$recursiveRef`, `$id` below the root | rejected (400) |
+| type-specific keywords (e.g. `maxLength`, `minimum`, `required`, `maxItems`) without `type` | the type their keywords name is added (narrowing); beneath `not`/`if`/`contains`/`oneOf`: checked |
+| an unsatisfiable schema (e.g. allOf parts with no type in common, minimum > maximum, disjoint enums) | rejected (400, naming the path) |
+| `title`, `description`, `default`, `examples`, `deprecated`, `readOnly`, `writeOnly`, `$comment`, `$schema`, `$anchor`, `content*`, `x-*`, any unknown keyword | annotations (dropped) |
 
 Narrowing (valid output, but not every valid document can be produced): properties come in
 declared order; an object that declares `properties` or an array that declares `prefixItems`
 takes nothing beyond them unless `additionalProperties`/`items` says so (strict mode); integers
 have no fraction or exponent; numbers have no exponent when bounded; enum/const values are
 written compactly; a length-bounded string cannot contain escapes (`\\n`, `\\"`, `\\uXXXX`);
-whitespace between tokens is at most 2 characters.
+whitespace between tokens is at most 2 characters; a schema without `type` produces only the
+types its keywords name.
 
 Beyond xgrammar: its length-bounded strings admit raw control characters (invalid JSON); the
 compile worker patches that class (see worker.json_schema_grammar). Any other warning xgrammar
 prints while compiling turns the request into a 400 (compiler._VALIDATED_WARNINGS lists the
 three that needs_validation covers).
 
-"validated": `needs_validation(schema)` is True and the finished output must be checked with
-jsonschema (Draft202012Validator with its format checker) before it is returned.
+"checked": the grammar enforces everything else (the construct is removed from the schema it
+compiles, which only widens it), `prepare` reports the enforcement level "checked", and the
+finished output is validated against the ORIGINAL schema (Draft202012Validator with its format
+checker) and resampled when it fails. needs_validation(schema) marks the approximations.
 """
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -62,9 +66,9 @@ from jsonschema import Draft202012Validator, SchemaError
 
 from radixflow.shared.errors import BadRequest
 
-ANNOTATIONS = frozenset({
-    "title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment",
-    "$schema", "$id", "$anchor", "$vocabulary", "contentEncoding", "contentMediaType", "contentSchema"})
+from .drafts import to_2020
+from .normalize import child_path, normalize, subschemas
+
 CONTAINERS = frozenset({"$defs", "definitions"})   # hold schemas, assert nothing themselves
 
 # keyword -> the types it applies to; xgrammar ignores it unless `type` names one of them
@@ -77,54 +81,71 @@ for _types, _kws in (
                       "propertyNames", "minProperties", "maxProperties"))):
     FAMILY.update({k: frozenset(_types) for k in _kws})
 
-REJECTED = {
-    "contains": "xgrammar ignores it", "minContains": "xgrammar ignores it", "maxContains": "xgrammar ignores it",
-    "not": "xgrammar ignores it", "if": "xgrammar ignores it", "then": "xgrammar ignores it",
-    "else": "xgrammar ignores it", "dependentRequired": "xgrammar ignores it",
-    "dependentSchemas": "xgrammar ignores it", "dependencies": "xgrammar ignores it",
-    "patternProperties": "keys matching it can never be written; list them in properties",
-    "$dynamicRef": "xgrammar ignores it", "$dynamicAnchor": "xgrammar ignores it",
-    "$recursiveRef": "xgrammar ignores it", "$recursiveAnchor": "xgrammar ignores it",
-}
+# what no grammar enforces: removed from the schema the grammar compiles, checked on the output
+UNENFORCED = ("not", "uniqueItems", "contains", "minContains", "maxContains", "if", "then", "else",
+              "dependentRequired", "dependentSchemas", "patternProperties", "allOf")
 ENFORCED_FORMATS = frozenset({
     "date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uri-reference",
     "uri-template", "json-pointer", "relative-json-pointer", "uuid"})
 UNENFORCED_FORMATS = frozenset({"regex", "iri", "iri-reference", "idn-email", "idn-hostname"})
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SUBSCHEMA_ONE = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "propertyNames",
-                  "contains", "not", "if", "then", "else")
-_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
-_IDENT = re.compile(r"[A-Za-z_$][\w$-]*")
 
 
-def _child(path: str, key: str | int) -> str:
-    if isinstance(key, int):
-        return f"{path}[{key}]"
-    return f"{path}.{key}" if _IDENT.fullmatch(key) else f"{path}[{json.dumps(key, ensure_ascii=False)}]"
+def _without_lookarounds(pattern: str) -> str | None:
+    """`pattern` minus its lookaround groups, which only ever restrict a match (so the result
+    accepts more); None where that is not so simple (a quantified lookaround, unbalanced text)."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class or ch == "[" or ch == "]":
+            in_class = (in_class or ch == "[") and not (in_class and ch == "]")
+        elif _LOOKAROUND.match(pattern, i):
+            depth, j, cls = 0, i, False
+            while j < len(pattern):
+                c = pattern[j]
+                if c == "\\":
+                    j += 2
+                    continue
+                if cls or c in "[]":
+                    cls = (cls or c == "[") and not (cls and c == "]")
+                elif c == "(":
+                    depth += 1
+                elif c == ")":
+                    depth -= 1
+                    if depth == 0:
+                        break
+                j += 1
+            if depth != 0 or pattern[j + 1:j + 2] in ("?", "*", "+", "{"):
+                return None
+            i = j + 1
+            continue
+        out.append(ch)
+        i += 1
+    wider = "".join(out)
+    try:
+        re.compile(wider)
+    except re.error:
+        return None
+    return wider
 
 
 def _walk(schema: Any) -> Iterator[tuple[dict, str, set[str]]]:
     """Every schema object in `schema` with its JSON path and the types it may take; iterative, so
-    deep schemas cannot blow the stack."""
+    deep schemas cannot blow the stack. Children are read after the caller had the node."""
     stack: list[tuple[Any, str, set[str] | None]] = [(schema, "$", None)]
     while stack:
         node, path, implied = stack.pop()
         if not isinstance(node, dict):
             continue
         yield node, path, _types(node) or implied or set()
-        for kw in _SUBSCHEMA_MAPS:
-            if isinstance(node.get(kw), dict):
-                p = _child(path, kw)
-                stack.extend((v, _child(p, k), None) for k, v in node[kw].items())
-        for kw in _SUBSCHEMA_ONE:
-            if kw in node:
-                # property names are strings: xgrammar applies string keywords there without a type
-                stack.append((node[kw], _child(path, kw), {"string"} if kw == "propertyNames" else None))
-        for kw in _SUBSCHEMA_LISTS:
-            if isinstance(node.get(kw), list):
-                p = _child(path, kw)
-                stack.extend((v, _child(p, i), None) for i, v in enumerate(node[kw]))
+        for kw, key, sub in subschemas(node):
+            p = child_path(path, kw) if key is None else child_path(child_path(path, kw), key)
+            # property names are strings: xgrammar applies string keywords there without a type
+            stack.append((sub, p, {"string"} if kw == "propertyNames" else None))
 
 
 def _types(node: dict) -> set[str]:
@@ -136,78 +157,76 @@ def _reject(name: str, path: str, why: str) -> BadRequest:
     return BadRequest(f"unsupported JSON Schema construct '{name}' at {path}: {why}", param="response_format")
 
 
-def _assertions(node: dict, exclude: tuple[str, ...]) -> list[str]:
-    return [k for k in node if k not in ANNOTATIONS and k not in CONTAINERS and k not in exclude]
-
-
-def _check_node(node: dict, path: str, types: set[str], root: dict) -> None:
-    for kw, why in REJECTED.items():
-        if kw in node:
-            raise _reject(kw, path, why)
-    if node.get("uniqueItems") is True:
-        raise _reject("uniqueItems", path, "xgrammar ignores it")
-    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
-        raise _reject("allOf", path, "only a single-subschema allOf is enforced; merge the subschemas")
-    if "$id" in node and node is not root:
-        raise _reject("$id", path, "only the root may set $id (references resolve against the root)")
-    if "$ref" in node:
-        ref = node["$ref"]
-        if not (ref == "#" or ref.startswith("#/")):
-            raise _reject("$ref", path, f"only local references ('#' or '#/...') are supported, got {ref!r}")
-        if extra := _assertions(node, ("$ref",)):
-            raise _reject(extra[0], path, "keywords beside '$ref' are ignored; move them into the referenced schema")
-    for comb in ("anyOf", "oneOf"):
-        if comb in node and (extra := _assertions(node, (comb,))):
-            raise _reject(extra[0], path, f"keywords beside '{comb}' are ignored; repeat them in every branch")
-    for kw in node:
-        need = FAMILY.get(kw)
-        if need is not None and not (types & need):
-            raise _reject(kw, path, f'it needs "type": "{"/".join(sorted(need))}" in the same schema')
-    if "multipleOf" in node and "number" in types:
-        raise _reject("multipleOf", path, 'only enforced with "type": "integer"')
-    fmt = node.get("format")
-    if fmt in UNENFORCED_FORMATS:
-        raise _reject("format", path, f"format {fmt!r} is not enforced")
-    if isinstance(node.get("pattern"), str) and _LOOKAROUND.search(node["pattern"]):
-        raise _reject("pattern", path, "lookaround assertions ((?=, (?!, (?<=, (?<!) are not enforced")
-    if isinstance(node.get("required"), list):
-        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-        for name in node["required"]:
-            if name not in props:
-                raise _reject("required", path, f"required property {name!r} must also be declared in properties")
-    _check_enum(node, path, root)
-
-
-def _check_enum(node: dict, path: str, root: dict) -> None:
-    # xgrammar writes exactly the enum/const values and ignores every sibling keyword; that is only
-    # sound if each value satisfies those siblings.
-    if "enum" not in node and "const" not in node:
-        return
-    siblings = _assertions(node, ("enum", "const"))
-    if not siblings or not isinstance(node.get("enum", []), list):
-        return
-    values = node["enum"] if "enum" in node else [node["const"]]
-    local = {k: root[k] for k in CONTAINERS if k in root} | {k: node[k] for k in siblings}
-    if "enum" in node and "const" in node:
-        local["const"] = node["const"]
-    validator = Draft202012Validator(local)
-    for v in values:
-        err = next(iter(validator.iter_errors(v)), None)
-        if err is not None:
-            raise _reject(str(err.validator), path, f"value {json.dumps(v)} of the enum/const does not satisfy it "
-                          f"({err.message}); only the enum/const values are enforced")
-
-
-def check_schema(schema: dict) -> None:
-    """Raise BadRequest unless `schema` is valid Draft 2020-12 and every construct is one we can honor."""
+def _check_servable(schema: dict) -> None:
+    """400 for what can never be served: an invalid schema, or references we cannot follow."""
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as e:
         raise BadRequest(f"invalid JSON Schema at {e.json_path}: {e.message}", param="response_format") from None
     except RecursionError:
         raise BadRequest("the JSON Schema is nested too deeply", param="response_format") from None
-    for node, path, types in _walk(schema):
-        _check_node(node, path, types, schema)
+    for node, path, _ in _walk(schema):
+        for kw in ("$dynamicRef", "$recursiveRef"):
+            if kw in node:
+                raise _reject(kw, path, "dynamic references are not supported; use $ref")
+        if "$id" in node and node is not schema:
+            raise _reject("$id", path, "only the root may set $id (references resolve against the root)")
+        if isinstance(node.get("$ref"), str) and not node["$ref"].startswith("#"):
+            raise _reject("$ref", path, "only references within the schema ('#', '#/...', '#anchor') are "
+                          f"supported, got {node['$ref']!r}")
+
+
+def _relax(schema: dict) -> bool:
+    """Remove in place what the grammar would not enforce; True when anything was removed."""
+    relaxed = False
+    for node, _, types in _walk(schema):
+        dropped = [k for k in UNENFORCED if k in node]
+        if "anyOf" in node or "oneOf" in node:   # xgrammar ignores keywords beside them
+            dropped += [k for k in node if k not in ("anyOf", "oneOf") and k not in CONTAINERS]
+        if node.get("format") in UNENFORCED_FORMATS:
+            dropped.append("format")
+        if isinstance(node.get("pattern"), str) and _LOOKAROUND.search(node["pattern"]):
+            relaxed = True
+            if (wider := _without_lookarounds(node["pattern"])) is not None:
+                node["pattern"] = wider
+            else:
+                dropped.append("pattern")
+        if "multipleOf" in node and ("number" in types or "integer" not in types):
+            dropped.append("multipleOf")
+        dropped += [k for k in node if k in FAMILY and not types & FAMILY[k]]
+        for k in dict.fromkeys(dropped):
+            value = node.pop(k)
+            relaxed |= not (k == "uniqueItems" and value is False)
+        props = node.get("properties")
+        if isinstance(props, dict) and False in props.values():
+            # "must be absent": strict mode writes no undeclared key unless these allow one
+            node["properties"] = {k: v for k, v in props.items() if v is not False}
+            relaxed |= node.get("additionalProperties", False) is not False or (
+                node.get("unevaluatedProperties", False) is not False)
+        if isinstance(node.get("required"), list):
+            declared = node.get("properties", {})
+            if any(n not in declared for n in node["required"]):
+                node["required"] = [n for n in node["required"] if n in declared]
+                relaxed = True
+    return relaxed
+
+
+def prepare(schema: dict) -> tuple[dict, str]:
+    """(the schema to compile, the enforcement level). The schema is `schema` normalized, then
+    relaxed where no grammar enforces it (so it only widens there); the level is "full" when the
+    grammar enforces all of the normalized schema, and "checked" when the finished output must be
+    validated against `schema` (and resampled when it fails). BadRequest (400) for a schema that
+    can never be served (see the table above)."""
+    schema = to_2020(schema)          # a Draft 4 / 6 / 7 / 2019-09 schema, as 2020-12 (drafts.py)
+    _check_servable(schema)
+    prepared = normalize(schema)
+    relaxed = _relax(prepared)
+    return prepared, "checked" if relaxed or needs_validation(prepared) else "full"
+
+
+def check_schema(schema: dict) -> None:
+    """Raise BadRequest unless `schema` is valid Draft 2020-12 and can be served (see prepare)."""
+    prepare(schema)
 
 
 def needs_validation(schema: dict) -> bool:

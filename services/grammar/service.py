@@ -1,9 +1,10 @@
 """Grammar service: compiles structured-output constraints (JSON Schema, json_object, regex, EBNF,
-choice) with xgrammar against the served model's tokenizer, caches them, and hands the compiled
-blobs to executors.
+choice) with xgrammar or llguidance (backends/; `backend` picks the deployment default, a request
+may name one, `auto` lets compiler._auto choose) against the served model's tokenizer, caches
+them, and hands the compiled blobs to executors.
 
-    rf.grammar.compile  GrammarCompile -> GrammarCompiled   (key, cache_hit, compile_s, size)
-    rf.grammar.fetch    GrammarFetch   -> GrammarBlob       (zlib-compressed serialize_json())
+    rf.grammar.compile  GrammarCompile -> GrammarCompiled   (key, cache_hit, compile_s, size, backend, enforcement)
+    rf.grammar.fetch    GrammarFetch   -> GrammarBlob       (the engine's zlib-compressed grammar, and the engine)
 
 Deployment: run ONE grammar instance. The cache lives in its memory and a GrammarFetch carries
 only a key (no spec to compile from), so with several instances in the `grammar` queue group a
@@ -37,20 +38,21 @@ class GrammarService(Actor):
 
     def __init__(self, bus: Bus, model_path: str, service_config: ServiceConfig | None = None,
                  instance: str | None = None, deadline_s: float = 10.0, cache_bytes: int = 256 << 20,
-                 workers: int = 2):
+                 workers: int = 2, backend: str = "auto"):
         super().__init__(bus, service_config, instance)
         self.model_path = model_path
-        self.compiler = Compiler(model_path, deadline_s=deadline_s, cache_bytes=cache_bytes, workers=workers)
+        self.compiler = Compiler(model_path, deadline_s=deadline_s, cache_bytes=cache_bytes, workers=workers,
+                                 backend=backend)
         self.route(subjects.GRAMMAR_COMPILE, GrammarCompile, self.compile, queue="grammar")
         self.route(subjects.GRAMMAR_FETCH, GrammarFetch, self.fetch, queue="grammar")
 
     async def on_start(self) -> None:
         limit = self.bus.max_payload - _BLOB_HEADROOM
         self.compiler.max_blob_bytes = min(self.compiler.max_blob_bytes, limit)
-        # workers come up in the background (~2 s each, in parallel with the other services'
+        # workers come up in the background (seconds each, in parallel with the other services'
         # startup); a compile that arrives first waits for one
         await self.compiler.start(wait_workers=False)
-        self.log.info("grammar compiler starting", workers=self.compiler.n_workers,
+        self.log.info("grammar compiler starting", workers=self.compiler.n_workers, backend=self.compiler.backend,
                       tokenizer=self.compiler.identity, max_blob_bytes=self.compiler.max_blob_bytes)
 
     async def on_stop(self) -> None:
@@ -60,18 +62,19 @@ class GrammarService(Actor):
         if req.tokenizer and req.tokenizer != self.compiler.identity:
             raise BadRequest(f"this grammar service compiles for tokenizer {self.compiler.identity!r}, "
                              f"not {req.tokenizer!r}", param="tokenizer")
-        r = await self.compiler.compile(req.kind, req.spec)
-        return GrammarCompiled(key=r.key, compile_s=r.compile_s, cache_hit=r.cache_hit, size=r.size)
+        r = await self.compiler.compile(req.kind, req.spec, req.backend)
+        return GrammarCompiled(key=r.key, compile_s=r.compile_s, cache_hit=r.cache_hit, size=r.size,
+                               backend=r.backend, enforcement=r.enforcement)
 
     async def fetch(self, req: GrammarFetch) -> GrammarBlob:
-        data = self.compiler.fetch(req.key)
-        if data is None:
+        entry = self.compiler.fetch(req.key)
+        if entry is None:
             raise NotFound(f"no compiled grammar with key {req.key[:16]}... on this grammar instance "
                            "(evicted, or compiled elsewhere); compile it again, then fetch", param="key")
-        return GrammarBlob(key=req.key, data=data)
+        return GrammarBlob(key=req.key, data=entry.data, backend=entry.backend)
 
     def status(self) -> dict:
-        return {"xgrammar": version("xgrammar"), "tokenizer": self.compiler.identity, **self.compiler.stats()}
+        return {"xgrammar": version("xgrammar"), "llguidance": version("llguidance"), "tokenizer": self.compiler.identity, **self.compiler.stats()}
 
     def metrics(self) -> list[Sample]:
         c, cache = self.compiler, self.compiler.cache

@@ -1,5 +1,6 @@
-"""The xgrammar TokenizerInfo of a served model, built the same way by the grammar workers (to
-compile) and by every executor (to deserialize the compiled blobs and mask logits).
+"""The tokenizer state of each grammar engine for a served model (xgrammar's TokenizerInfo,
+llguidance's LLTokenizer), built the same way by the grammar workers (to compile) and by every
+executor (to load the compiled blobs and mask logits).
 
 Why not plain `TokenizerInfo.from_huggingface`: xgrammar treats a token as "special" (never
 allowed by any grammar) only when its text is empty; it keeps `<|im_start|>` as the literal
@@ -13,12 +14,19 @@ grammar can end, whatever their text.
 
 Deterministic (the vocabulary, config.json and generation_config.json decide everything) and cheap
 (tens of ms for an 8k vocabulary, about a second for a 150k one), so each process builds it once.
+
+llguidance needs no such rebuild: it reads the tokenizer.json itself, and tokens marked special
+there never match grammar text (a JSON string cannot produce `<|im_start|>`); its stop tokens are
+the same eos ids. Both take the model's vocabulary size, so their masks have the logits' width and
+ids past the tokenizer's (padding) are never allowed.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import llguidance
+import llguidance.hf
 import xgrammar as xgr
 
 from radixflow.services.tokenizer.tokenizer import Tokenizer
@@ -56,6 +64,12 @@ def make_tokenizer_info(model_dir: str | Path) -> xgr.TokenizerInfo:
             encoded[idx] = ""
     return xgr.TokenizerInfo(encoded, detected.vocab_type, vocab_size=vocab_size, stop_token_ids=stop_ids,
                              add_prefix_space=detected.add_prefix_space)
+
+
+def make_ll_tokenizer(model_dir: str | Path) -> llguidance.LLTokenizer:
+    tok = Tokenizer(model_dir)
+    return llguidance.hf.from_tokenizer(tok.hf, n_vocab=model_vocab_size(model_dir, tok),
+                                        eos_token=sorted(tok.eos_token_ids))
 
 
 def tokenizer_identity(model_dir: str | Path) -> str:

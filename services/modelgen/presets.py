@@ -41,6 +41,10 @@ class Preset:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    tie_word_embeddings: bool = False
+    # The tokenizer's <|endoftext|> and <|im_end|>: config.json's pad / eos, and the generation stops.
+    endoftext_id: int = ENDOFTEXT_ID
+    im_end_id: int = IM_END_ID
 
     @property
     def is_hybrid(self) -> bool:
@@ -52,6 +56,10 @@ class Preset:
             return ["full_attention"] * self.num_hidden_layers
         n = self.full_attention_interval
         return ["full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(self.num_hidden_layers)]
+
+    @property
+    def generation_eos_ids(self) -> list[int]:
+        return [self.im_end_id, self.endoftext_id]
 
     @property
     def rotary_dim(self) -> int:
@@ -110,12 +118,12 @@ def hf_config(preset: str | Preset) -> dict[str, Any]:
         "attention_bias": False,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": p.tie_word_embeddings,
         "use_cache": True,
         "layer_types": p.layer_types,
         "bos_token_id": None,
-        "eos_token_id": IM_END_ID,
-        "pad_token_id": ENDOFTEXT_ID,
+        "eos_token_id": p.im_end_id,
+        "pad_token_id": p.endoftext_id,
         "dtype": "float32",
     }
     if not p.is_hybrid:

@@ -36,7 +36,10 @@ class OutputCheck:
         self.choices: list[str] = json.loads(c.spec) if c.kind == "choice" else []
         if c.kind == "json_schema":
             from jsonschema import Draft202012Validator
-            self.validator = Draft202012Validator(json.loads(c.spec), format_checker=Draft202012Validator.FORMAT_CHECKER)
+            from jsonschema.validators import validator_for
+            schema = json.loads(c.spec)
+            cls = validator_for(schema, default=Draft202012Validator)     # the draft the schema declares
+            self.validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
 
     def error(self, text: str, finish_reason: str | None) -> str | None:
         """Why `text` may not be returned, or None when it satisfies the constraint."""

@@ -245,7 +245,7 @@ class GrammarCompile(Msg):
 
 
 class GrammarCompiled(Msg):
-    key: str                          # canonical spec + tokenizer identity + xgrammar version, hashed
+    key: str                          # canonical spec + tokenizer identity + engine and its version, hashed
     compile_s: float = 0.0            # seconds this request spent compiling (0 on a cache hit)
     cache_hit: bool = False
     size: int = 0                     # bytes of the serialized compiled grammar
@@ -261,4 +261,5 @@ class GrammarFetch(Msg):
 
 class GrammarBlob(Msg):
     key: str
-    data: bytes                       # zlib-compressed CompiledGrammar.serialize_json()
+    data: bytes                       # zlib-compressed grammar, serialized by its engine
+    backend: str = "xgrammar"         # that engine: xgrammar (CompiledGrammar.serialize_json()) | llguidance

@@ -5,7 +5,7 @@ grammar? Not a test: a report for deciding how the end-to-end test bounds its ou
                      [--temps 0,0.7] [--seeds 0,1] [--only name,name] [--json out.json]
 
 Generation: transformers AutoModelForCausalLM (greedy at temperature 0, seeded sampling otherwise),
-with the same grammar the service compiles (worker.json_schema_grammar, keys.JSON_OPTIONS) masking
+with the same grammar the service compiles (backends.xgrammar.json_schema_grammar, keys.JSON_OPTIONS) masking
 the logits each step; a run "completes" when the grammar accepts a stop token. Each finished output
 is validated with jsonschema (Draft 2020-12, format checker), as the scheduler does.
 """
@@ -26,7 +26,7 @@ from jsonschema import Draft202012Validator
 
 from radixflow.services.grammar.lint import needs_validation
 from radixflow.services.grammar.tokenizer_info import make_tokenizer_info
-from radixflow.services.grammar.worker import json_schema_grammar
+from radixflow.services.grammar.backends.xgrammar import json_schema_grammar
 from radixflow.services.tokenizer.tokenizer import Tokenizer
 
 if __package__:

@@ -1,0 +1,601 @@
+"""normalize (schema rewrites that keep the meaning) and lint.prepare (what the grammar compiles,
+and whether the output must be checked): validity sets compared on sampled instances, refusals,
+bounds, and the acceptance check's schemas compiled through the Compiler."""
+from __future__ import annotations
+
+import copy
+import json
+import random
+from typing import Any
+
+import pytest
+import xgrammar as xgr
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jsonschema import Draft202012Validator
+
+from radixflow.services.grammar.compiler import _VALIDATED_WARNINGS, Compiler
+from radixflow.services.grammar.keys import JSON_OPTIONS, canonicalize, grammar_key
+from radixflow.services.grammar.lint import check_schema, prepare
+from radixflow.services.grammar.normalize import MAX_DEPTH, normalize
+from radixflow.services.grammar.tokenizer_info import make_tokenizer_info
+from radixflow.shared.errors import BadRequest
+from .structured.walk import Walker
+
+S = {"type": "string", "maxLength": 12}
+
+
+def validator(schema: Any) -> Draft202012Validator:
+    return Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
+
+
+# ---------------------------------------------------------------- instances
+
+
+def _pool(schema: Any) -> tuple[list[str], list[Any]]:
+    """Property names and scalar values the schema talks about, each bound and its neighbours."""
+    names: list[str] = ["zz"]
+    values: list[Any] = [None, True, False, 0, 1, -1, 2.5, -0.5, "", "a", "abc", "AAA", "ZZZ", [], {}]
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        for k, v in node.items():
+            if k in ("enum", "examples"):
+                values.extend(v)
+            elif k == "const":
+                values.append(v)
+            elif k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"):
+                values.extend([v, v - 1, v + 1, v - 0.5, v + 0.5, 2 * v])
+            elif k in ("minLength", "maxLength"):
+                values.extend(["x" * n for n in (v - 1, v, v + 1) if n >= 0])
+            elif k in ("properties", "patternProperties", "dependentRequired", "dependentSchemas"):
+                names.extend(node[k])
+            elif k == "required":
+                names.extend(v)
+            if k not in ("enum", "const", "examples"):
+                stack.append(v)
+    return sorted(set(names)), values
+
+
+def instances(schema: Any, n: int = 400, seed: int = 0, near: list | None = None) -> list[Any]:
+    """Random JSON values built from what the schema names, half of them (when given) one change
+    away from an instance in `near`."""
+    names, values = _pool(schema)
+    rng = random.Random(seed)
+
+    def one(depth: int) -> Any:
+        r = rng.random()
+        if depth >= 3 or r < 0.35:
+            return copy.deepcopy(rng.choice(values))
+        if r < 0.85:
+            keys = rng.sample(names, rng.randint(0, min(len(names), 4)))
+            return {k: one(depth + 1) for k in keys}
+        return [one(depth + 1) for _ in range(rng.randint(0, 4))]
+
+    def mutant(x: Any) -> Any:
+        x = copy.deepcopy(x)
+        if isinstance(x, dict) and x and rng.random() < 0.8:
+            k = rng.choice(list(x))
+            r = rng.random()
+            if r < 0.3:
+                del x[k]
+            elif r < 0.5:
+                x[rng.choice(names)] = one(2)
+            else:
+                x[k] = mutant(x[k])
+            return x
+        if isinstance(x, list) and x and rng.random() < 0.8:
+            i = rng.randrange(len(x))
+            x[i] = mutant(x[i]) if rng.random() < 0.7 else one(2)
+            return x
+        if isinstance(x, str) and rng.random() < 0.8:
+            i = rng.randint(0, len(x))
+            return x[:i] + rng.choice(["", "a", "b", "x", "Z", "0"]) + x[i + rng.randint(0, 1):]
+        if isinstance(x, (int, float)) and not isinstance(x, bool) and rng.random() < 0.8:
+            return x + rng.choice([-1, 1, 0.5])
+        return one(2)
+
+    out = [one(0) if i % 4 else {k: one(1) for k in names if rng.random() < 0.7} for i in range(n)]
+    if near:
+        out[::2] = [mutant(rng.choice(near)) for _ in out[::2]]
+    return out
+
+
+def assert_same_meaning(original: dict, normalized: dict, valid: list, invalid: list, narrows: bool = False) -> None:
+    vo, vn = validator(original), validator(normalized)
+    for x in valid:
+        assert vo.is_valid(x), f"test bug: {x!r} should be valid under the original"
+        assert vn.is_valid(x), f"{x!r} is valid but the normalized schema refuses it: {normalized}"
+    for x in invalid:
+        assert not vo.is_valid(x), f"test bug: {x!r} should be invalid under the original"
+        assert not vn.is_valid(x), f"{x!r} is invalid but the normalized schema accepts it: {normalized}"
+    sampled = instances(original, near=valid + invalid) + instances(normalized, seed=1, near=valid)
+    agree = [x for x in sampled if vo.is_valid(x) == vn.is_valid(x)]
+    widened = [x for x in sampled if vn.is_valid(x) and not vo.is_valid(x)]
+    assert not widened, f"accepted by the normalized schema only: {widened[0]!r}\n{normalized}"
+    if not narrows:
+        assert len(agree) == len(sampled), f"{[x for x in sampled if x not in agree][0]!r}\n{normalized}"
+    assert any(vo.is_valid(x) for x in sampled), "the sampler never met a valid instance: add some by hand"
+
+
+def keywords(schema: Any) -> set[str]:
+    """Every keyword used anywhere in a schema (property names included, which is harmless here)."""
+    out, stack = set(), [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            out |= set(node)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return out
+
+
+# ---------------------------------------------------------------- the rules, exact
+
+
+UNIT = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "t": {"type": "integer"}},
+        "required": ["unit", "t"], "additionalProperties": False,
+        "if": {"properties": {"unit": {"const": "c"}}},
+        "then": {"properties": {"t": {"minimum": -50, "maximum": 60}}},
+        "else": {"properties": {"t": {"minimum": -60, "maximum": 140}}}}
+
+EXACT = [
+    # name, schema, valid, invalid
+    ("annotations_and_extensions",
+     {"type": "object", "title": "T", "description": "d", "x-taplo": {"hidden": True}, "examples": [{"v": 1}],
+      "$comment": "c", "properties": {"v": {"type": "integer", "x-order": 1, "default": 3, "deprecated": True,
+                                            "readOnly": True, "writeOnly": False, "minimum": 0, "maximum": 9}},
+      "required": ["v"], "additionalProperties": False},
+     [{"v": 3}], [{"v": 10}, {}, {"v": 1, "w": 2}]),
+    ("ref_with_siblings",
+     {"type": "object", "properties": {"p": {"$ref": "#/$defs/n", "maximum": 5, "description": "x"}}, "required": ["p"],
+      "$defs": {"n": {"type": "integer", "minimum": 0}}},
+     [{"p": 0}, {"p": 5}], [{"p": 6}, {"p": -1}, {"p": "a"}]),
+    ("ref_outside_defs", {"type": "object", "properties": {"a": {"type": "string", "maxLength": 2},
+                                                           "b": {"$ref": "#/properties/a"}}},
+     [{"a": "xy", "b": "z"}], [{"b": "xyz"}, {"b": 1}]),
+    ("anchor_ref", {"$defs": {"p": {"$anchor": "pt", "type": "integer", "maximum": 3}}, "type": "object",
+                    "properties": {"p": {"$ref": "#pt"}}, "required": ["p"]},
+     [{"p": 3}], [{"p": 4}, {}]),
+    ("allOf_two", {"allOf": [{"type": "object", "properties": {"a": S}, "required": ["a"]},
+                             {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+     [{"a": "x", "b": 1}, {"a": "x", "b": 1, "c": None}], [{"a": "x"}, {"b": 1}, {"a": 1, "b": 1}, 3]),
+    ("allOf_closed_part", {"allOf": [{"type": "object", "properties": {"a": S}, "additionalProperties": False},
+                                     {"properties": {"b": {"type": "integer"}}}]},
+     [{"a": "x"}, {}], [{"a": "x", "b": 1}, {"c": 1}]),
+    ("allOf_bounds_types_enums", {"allOf": [{"type": ["number", "string"], "minimum": 1, "enum": [1, 2, 3, "a", 4.5]},
+                                            {"type": "integer", "maximum": 3}, {"enum": [3, 2, "a", 1.0]}]},
+     [1, 2, 3, 1.0], [4.5, "a", 0, 5]),
+    ("allOf_two_bounds_each", {"type": "integer", "allOf": [{"minimum": 1, "maximum": 9, "not": {"const": 4}},
+                                                            {"minimum": 3, "maximum": 7, "not": {"const": 5}}]},
+     [3, 6, 7], [2, 4, 5, 8]),
+    ("allOf_patterns_kept", {"type": "string", "allOf": [{"pattern": "^a"}, {"pattern": "b$"}], "maxLength": 5},
+     ["ab", "axb"], ["ba", "a", "abbbbb"]),
+    ("allOf_items", {"allOf": [{"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "string"}},
+                               {"prefixItems": [{"minimum": 0}, {"maxLength": 1}], "maxItems": 3}]},
+     [[1], [1, "a"], [1, "a", "bc"]], [[-1], [1, "ab"], [1, 2], [1, "a", "b", "c"]]),
+    ("allOf_unevaluated", {"type": "object", "allOf": [{"properties": {"a": {"type": "integer"}}}],
+                           "properties": {"b": S}, "unevaluatedProperties": False},
+     [{"a": 1, "b": "x"}, {}], [{"c": 1}, {"a": "x"}]),
+    ("beside_oneOf", {"type": "object", "description": "a shape", "oneOf": [
+        {"properties": {"kind": {"const": "circle"}, "r": {"type": "number", "minimum": 0, "maximum": 9}},
+         "required": ["kind", "r"], "additionalProperties": False},
+        {"properties": {"kind": {"const": "square"}, "side": {"type": "integer", "minimum": 1, "maximum": 9}},
+         "required": ["kind", "side"], "additionalProperties": False}]},
+     [{"kind": "circle", "r": 2.5}, {"kind": "square", "side": 3}], [{"kind": "circle", "side": 3}, {"kind": "x"}, 1]),
+    ("oneOf_overlapping", {"type": "integer", "oneOf": [{"minimum": 5}, {"maximum": 7}]},
+     [4, 8], [6, 5, 7, "a"]),
+    ("oneOf_objects_overlapping", {"type": "object", "oneOf": [
+        {"properties": {"k": {"enum": ["a", "b"]}}, "required": ["k"]},
+        {"properties": {"k": {"enum": ["b", "c"]}}, "required": ["k"]}]},
+     [{"k": "a"}, {"k": "c"}], [{"k": "b"}, {}]),
+    ("anyOf_siblings", {"type": "object", "properties": {"a": S}, "required": ["a"],
+                        "anyOf": [{"required": ["b"]}, {"properties": {"a": {"maxLength": 1}}}]},
+     [{"a": "x"}, {"a": "xyz", "b": 0}], [{"a": "xyz"}, {}]),
+    ("if_then_else_enum", UNIT,
+     [{"unit": "c", "t": 60}, {"unit": "f", "t": 140}], [{"unit": "c", "t": 61}, {"unit": "f", "t": -61}, {"unit": "k", "t": 0}]),
+    ("if_required_in_if", {"type": "object", "properties": {"mode": {"type": "string"}, "n": {"type": "integer"}},
+                           "if": {"properties": {"mode": {"const": "fast"}}, "required": ["mode"]},
+                           "then": {"properties": {"n": {"maximum": 3}}}, "else": {"properties": {"n": {"minimum": 10}}}},
+     [{"mode": "fast", "n": 1}, {"n": 12}, {"mode": "slow", "n": 10}], [{"mode": "fast", "n": 5}, {"n": 1}, {"mode": "slow", "n": 2}]),
+    ("if_not_rewritable", {"type": "integer", "if": {"minimum": 10}, "then": {"multipleOf": 2}},
+     [3, 10, 12], [11, 13]),
+    ("allOf_four_conditionals", {
+        "type": "object", "properties": {f"p{i}": {"enum": ["a", "b", "c"]} for i in range(4)},
+        "required": [f"p{i}" for i in range(4)], "additionalProperties": False,
+        "allOf": [{"if": {"properties": {f"p{i}": {"const": "a"}}},
+                   "then": {"properties": {f"p{(i + 1) % 4}": {"not": {"const": "a"}}}}} for i in range(4)]},
+     [{"p0": "a", "p1": "b", "p2": "a", "p3": "c"}, {"p0": "c", "p1": "c", "p2": "c", "p3": "c"}],
+     [{"p0": "a", "p1": "a", "p2": "b", "p3": "b"}, {"p0": "a", "p1": "b", "p2": "b", "p3": "a"}]),
+    ("dependentRequired", {"type": "object", "properties": {"a": S, "b": S}, "dependentRequired": {"a": ["b"]},
+                           "additionalProperties": False},
+     [{}, {"b": "x"}, {"a": "x", "b": "y"}], [{"a": "x"}]),
+    ("dependentSchemas", {"type": "object", "properties": {"card": S, "billing": {"type": "integer"}},
+                          "dependentSchemas": {"card": {"required": ["billing"], "properties": {"billing": {"minimum": 1}}}}},
+     [{}, {"card": "x", "billing": 2}], [{"card": "x"}, {"card": "x", "billing": 0}]),
+    ("enum_filtered", {"type": "string", "enum": ["ok", 7, "toolong"], "maxLength": 3},
+     ["ok"], [7, "toolong"]),
+    ("not_beside_enum", {"enum": ["a", "b", "c"], "not": {"enum": ["b"]}}, ["a", "c"], ["b"]),
+    ("integer_bounds", {"type": "integer", "minimum": 0.5, "exclusiveMaximum": 4.5}, [1, 4], [0, 5, 1.5]),
+    ("required_undeclared", {"type": "object", "properties": {"a": S}, "required": ["a", "b"],
+                             "additionalProperties": {"type": "integer"}},
+     [{"a": "x", "b": 1}], [{"a": "x"}, {"a": "x", "b": "y"}]),
+    ("optional_unsatisfiable", {"type": "object", "properties": {"a": {"allOf": [{"type": "string"}, {"type": "integer"}]},
+                                                                 "b": S}},
+     [{"b": "x"}, {}], [{"a": 1}, {"a": "x"}]),
+    ("bounds_conflict_drops_type", {"type": ["string", "null"], "minLength": 3, "maxLength": 2}, [None], ["abc", ""]),
+    ("recursive_ref_with_sibling", {"type": "object", "properties": {"v": {"type": "integer"},
+                                                                     "next": {"$ref": "#", "maxProperties": 1}}},
+     [{"v": 1, "next": {"next": {"v": 2}}}], [{"v": 1, "next": {"v": 1, "next": {}}}, {"next": {"next": {"v": "x"}}}]),
+]
+
+
+BY_NAME = {c[0]: c[1] for c in EXACT}
+
+
+@pytest.mark.parametrize("name,schema,valid,invalid", EXACT, ids=[c[0] for c in EXACT])
+def test_rule_keeps_the_meaning(name, schema, valid, invalid):
+    out = normalize(schema)
+    Draft202012Validator.check_schema(out)
+    assert_same_meaning(schema, out, valid, invalid)
+
+
+def test_annotations_and_extensions_are_dropped():
+    out = normalize(BY_NAME["annotations_and_extensions"])
+    assert not keywords(out) & {"title", "description", "x-taplo", "examples", "$comment", "x-order", "default",
+                                "deprecated", "readOnly", "writeOnly"}
+
+
+def test_rewrites_leave_what_a_grammar_reads():
+    """The point of each rule: nothing beside $ref/anyOf/oneOf, no allOf, if or not left."""
+    by = {name: normalize(schema) for name, schema, _, _ in EXACT}
+    assert by["ref_with_siblings"]["properties"]["p"] == {"type": "integer", "minimum": 0, "maximum": 5}
+    assert "allOf" not in keywords(by["allOf_two"]) and by["allOf_two"]["required"] == ["a", "b"]
+    assert by["allOf_closed_part"]["properties"]["b"] is False    # a closed part forbids b
+    assert by["allOf_bounds_types_enums"] == {"enum": [1, 2, 3]}
+    assert "allOf" in by["allOf_patterns_kept"]                   # two patterns cannot be one
+    assert set(by["beside_oneOf"]) == {"anyOf"}                   # disjoint by the kind discriminator
+    assert set(by["oneOf_overlapping"]) == set(by["oneOf_objects_overlapping"]) == {"oneOf"}
+    for branch in by["beside_oneOf"]["anyOf"] + by["oneOf_overlapping"]["oneOf"]:
+        assert "type" in branch
+    ite = by["if_then_else_enum"]
+    assert not keywords(ite) & {"if", "then", "else", "not"}
+    assert [b["properties"]["unit"] for b in ite["anyOf"]] == [{"enum": ["c"]}, {"enum": ["f"]}]
+    assert [b["properties"]["t"]["maximum"] for b in ite["anyOf"]] == [60, 140]
+    assert "if" in by["if_not_rewritable"]
+    assert "dependentRequired" not in keywords(by["dependentRequired"])
+    assert by["enum_filtered"] == {"enum": ["ok"]}
+    assert by["not_beside_enum"] == {"enum": ["a", "c"]}
+    assert by["integer_bounds"] == {"type": "integer", "minimum": 1, "maximum": 4}
+    assert by["required_undeclared"]["properties"]["b"] == {"type": "integer"}
+    assert by["bounds_conflict_drops_type"] == {"type": "null"}
+
+
+def test_recursion_stays_recursion():
+    tree = {"$ref": "#/$defs/node", "$defs": {"node": {
+        "type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+        "required": ["v"], "description": "a tree node"}}}
+    out = normalize(tree)
+    assert out["$ref"] == "#/$defs/node"
+    assert out["$defs"]["node"]["properties"]["kids"]["items"] == {"$ref": "#/$defs/node"}
+    assert_same_meaning(tree, out, [{"v": 1, "kids": [{"v": 2, "kids": []}]}], [{"v": 1, "kids": [{"kids": []}]}])
+    # a reference with keywords beside it, met again inside itself, becomes a $defs entry
+    rec = BY_NAME["recursive_ref_with_sibling"]
+    out = normalize(rec)
+    assert out["properties"]["next"]["maxProperties"] == 1              # inlined once
+    entry = out["properties"]["next"]["properties"]["next"]["$ref"]      # then referred to
+    assert entry.startswith("#/$defs/") and out["$defs"][entry.rsplit("/", 1)[1]]["maxProperties"] == 1
+
+
+def test_long_chain_of_refs_with_siblings():
+    # each $ref has a keyword beside it, each to the next definition: inlined 16 deep, then entries
+    defs = {f"D{i}": {"type": "object", "properties": {
+        "n": {"$ref": f"#/$defs/D{(i + 1) % 500}", "minProperties": 1}, "v": {"type": "integer"}}} for i in range(500)}
+    schema = {"$ref": "#/$defs/D0", "$defs": defs}
+    out = normalize(schema)
+    deep: dict = {"v": 0}
+    for i in range(40):
+        deep = {"v": i, "n": deep}
+    bad = copy.deepcopy(deep)
+    bad["n"]["n"]["n"]["n"] = {}
+    assert_same_meaning(schema, out, [deep], [bad])
+
+
+def test_large_schema_of_many_definitions():
+    out = normalize(LARGE)
+    assert out["$ref"] == "#/definitions/D0"
+    assert out["definitions"]["D0"]["properties"]["f0"] == {"$ref": "#/definitions/D1"}
+    assert len(out["definitions"]) == 2   # only what D0 reaches
+
+
+# ---------------------------------------------------------------- narrowing
+
+
+NARROWING = [
+    ("untyped_object", {"properties": {"name": S, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+                        "required": ["name", "age"], "additionalProperties": False},
+     {"name": "Ann", "age": 41}, {"type": "object"}),
+    ("untyped_format", {"format": "date"}, "2024-01-31", {"type": "string"}),
+    ("untyped_mixed", {"minimum": 0, "maxLength": 3}, "ab", {"type": ["string", "number"]}),
+    ("untyped_in_anyOf", {"anyOf": [{"required": ["a"]}, {"type": "null"}]}, {"a": 1}, None),
+    ("draft7_dependencies", {"type": "object", "properties": {"a": S, "b": S}, "dependencies": {"a": ["b"]}},
+     {"a": "x", "b": "y"}, None),
+]
+
+
+@pytest.mark.parametrize("name,schema,example,expect", NARROWING, ids=[c[0] for c in NARROWING])
+def test_narrowing_rule_never_widens(name, schema, example, expect):
+    out = normalize(schema)
+    assert validator(out).is_valid(example) and validator(schema).is_valid(example)
+    assert_same_meaning(schema, out, [example], [], narrows=True)
+    if expect:
+        assert expect.items() <= out.items()
+
+
+def test_no_type_added_where_narrowing_would_widen():
+    # inside `not` a narrower schema would let more through: the keywords stay untyped
+    schema = {"type": "object", "properties": {"a": {"not": {"maxLength": 2}}}}
+    out = normalize(schema)
+    assert out["properties"]["a"] == {"not": {"maxLength": 2}}
+    assert_same_meaning(schema, out, [{"a": "abc"}, {}], [{"a": "ab"}, {"a": 5}])
+    # the same for a $defs entry such a place refers to
+    schema = {"$defs": {"short": {"maxLength": 2}}, "type": "object",
+              "properties": {"a": {"$ref": "#/$defs/short"}, "b": {"not": {"$ref": "#/$defs/short"}}}}
+    assert normalize(schema)["$defs"]["short"] == {"maxLength": 2}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers(-3, 200) | st.sampled_from(["c", "f", "", "abc"]),
+                    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(
+                        st.sampled_from(["unit", "t", "name", "age", "kind", "r", "side"]), kids, max_size=4),
+                    max_leaves=8))
+def test_any_json_value_gets_the_same_answer(value):
+    for schema in (UNIT, BY_NAME["beside_oneOf"], NARROWING[0][1]):
+        out = normalize(schema)
+        if schema is NARROWING[0][1]:
+            assert not validator(out).is_valid(value) or validator(schema).is_valid(value)
+        else:
+            assert validator(out).is_valid(value) == validator(schema).is_valid(value)
+
+
+# ---------------------------------------------------------------- refusals and bounds
+
+
+@pytest.mark.parametrize("schema,message", [
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, r"at \$: the allowed types"),
+    ({"type": "object", "properties": {"a": {"allOf": [{"type": "integer", "minimum": 5}, {"maximum": 3}]}},
+      "required": ["a"]}, r"at \$: required property 'a': \$\.properties\.a: no number"),
+    ({"type": "object", "properties": {"a": {"type": "object", "properties": {
+        "b": {"allOf": [{"enum": [1, 2]}, {"const": 3}]}}, "required": ["b"]}}, "required": ["a"]},
+     r"\$\.properties\.a\.properties\.b: no value of the enum/const"),
+    ({"type": "string", "minLength": 4, "allOf": [{"maxLength": 2}]}, "minLength 4 > maxLength 2"),
+    ({"type": "object", "properties": {"a": S}, "required": ["b"], "additionalProperties": False},
+     "required property 'b' is not allowed"),
+    ({"anyOf": [{"type": "string", "enum": [1]}, {"type": "integer", "minimum": 2, "maximum": 1}]},
+     r"no branch of anyOf can be satisfied"),
+])
+def test_unsatisfiable_is_400_naming_the_path(schema, message):
+    with pytest.raises(BadRequest, match=message) as ei:
+        check_schema(schema)
+    assert ei.value.code == 400 and "the JSON Schema is unsatisfiable at $" in ei.value.message
+
+
+def test_deep_nesting_is_400_not_a_crash():
+    deep: dict = {"type": "integer"}
+    for _ in range(1000):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(BadRequest, match="nested too deeply"):
+        check_schema(deep)
+    with pytest.raises(BadRequest, match="nested too deeply"):
+        normalize(deep)
+    ok: dict = {"type": "integer"}
+    for _ in range(MAX_DEPTH // 2):
+        ok = {"properties": {"a": ok}}
+    assert normalize(ok)["type"] == "object"
+
+
+def test_conditional_blowup_is_bounded():
+    # 12 if/then/else on one object: left for the output check rather than 4096 branches
+    props = {f"p{i}": {"enum": ["x", "y"]} for i in range(12)}
+    schema = {"type": "object", "properties": props, "required": list(props), "allOf": [
+        {"if": {"properties": {f"p{i}": {"const": "x"}}}, "then": {"properties": {f"p{(i + 1) % 12}": {"const": "y"}}}}
+        for i in range(12)]}
+    out, level = prepare(schema)
+    assert level == "checked" and "anyOf" not in json.dumps(out)
+
+
+@pytest.mark.parametrize("schema,construct", [
+    ({"type": "object", "properties": {"p": {"$ref": "https://example.com/p.json"}}}, "'$ref' at $.properties.p"),
+    ({"$dynamicAnchor": "n", "type": "object", "properties": {"c": {"$dynamicRef": "#n"}}}, "'$dynamicRef'"),
+    ({"type": "object", "properties": {"a": {"$id": "https://x/a", "type": "string"}}}, "'$id'"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, "does not resolve"),
+])
+def test_unservable_references_are_400(schema, construct):
+    with pytest.raises(BadRequest, match=construct.replace("$", r"\$").replace(".", r"\.")):
+        prepare(schema)
+
+
+# ---------------------------------------------------------------- prepare: enforcement levels
+
+
+@pytest.mark.parametrize("schema,level,gone", [
+    ({"type": "object", "properties": {"a": S}, "required": ["a"]}, "full", set()),
+    (UNIT, "full", set()),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "checked", {"uniqueItems"}),
+    ({"type": "string", "maxLength": 5, "not": {"const": "abc"}}, "checked", {"not"}),
+    ({"type": "integer", "if": {"minimum": 10}, "then": {"multipleOf": 2}}, "checked", {"if", "then"}),
+    ({"type": "array", "contains": {"const": 3}, "maxItems": 3}, "checked", {"contains"}),
+    ({"type": "object", "patternProperties": {"^x_": {"type": "integer"}}}, "checked", {"patternProperties"}),
+    ({"type": "number", "multipleOf": 0.5, "maximum": 3}, "checked", {"multipleOf"}),
+    ({"type": "string", "format": "regex"}, "checked", {"format"}),
+    ({"type": "string", "pattern": "^(?=.*[0-9])[a-z0-9]{8}$"}, "checked", set()),
+    ({"type": "string", "format": "date"}, "checked", set()),                 # approximate (needs_validation)
+    ({"type": "object", "properties": {"a": S, "b": S}, "dependentRequired": {"a": ["b"]}}, "full", {"dependentRequired"}),
+    ({"oneOf": [{"type": "integer"}, {"type": "number", "maximum": 1}]}, "checked", set()),
+])
+def test_prepare_enforcement_level(schema, level, gone):
+    out, got = prepare(schema)
+    assert got == level, out
+    assert not keywords(out) & gone
+    # what the grammar compiles only widens the normalized schema: every valid instance stays valid
+    vo, vp = validator(schema), validator(out)
+    for x in instances(schema):
+        if vo.is_valid(x):
+            assert vp.is_valid(x), (x, out)
+
+
+def test_lookarounds_leave_the_rest_of_the_pattern():
+    assert prepare({"type": "string", "pattern": "^(?=.*[0-9])(?!x)[a-z0-9]{8}$"})[0]["pattern"] == "^[a-z0-9]{8}$"
+    # a quantified lookaround is not simply removable: the pattern goes
+    assert "pattern" not in prepare({"type": "string", "pattern": "^a(?=b)?c$"})[0]
+
+
+# ---------------------------------------------------------------- the acceptance check's schemas
+
+ACCEPTANCE = {   # a copy of SCHEMAS in the shared acceptance check (structured.py)
+    "untyped-object": NARROWING[0][1],
+    "allOf-two": BY_NAME["allOf_two"],
+    "beside-oneOf": BY_NAME["beside_oneOf"],
+    "if-then-else": UNIT,
+    "uniqueItems": {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c", "d", "e"]},
+                    "minItems": 2, "maxItems": 4, "uniqueItems": True}}, "required": ["tags"], "additionalProperties": False},
+    "not": {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$", "not": {"enum": ["AAA", "ZZZ"]}}},
+            "required": ["code"], "additionalProperties": False},
+    "extension-keywords": {"type": "object", "x-taplo": {"hidden": True}, "title": "Cfg", "examples": [{"v": 1}],
+                           "properties": {"v": {"type": "integer", "x-tombi-order": "asc", "minimum": 0, "maximum": 9}},
+                           "required": ["v"], "additionalProperties": False},
+    "untyped-format": {"type": "object", "properties": {"when": {"format": "date"}, "mail": {"type": "string", "format": "email", "maxLength": 40}},
+                       "required": ["when", "mail"], "additionalProperties": False},
+}
+_defs = {}
+for _i in range(120):
+    _defs[f"D{_i}"] = {"type": "object", "additionalProperties": False, "properties": {
+        f"f{j}": ({"$ref": f"#/definitions/D{(_i + j + 1) % 120}"} if j == 0 and _i % 10 == 0 else
+                  [S, {"type": "integer"}, {"type": "boolean"}, {"enum": [f"v{k}" for k in range(8)]},
+                   {"type": "array", "items": S, "maxItems": 2}][j % 5]) for j in range(12)}}
+LARGE = {"$ref": "#/definitions/D0", "definitions": _defs}
+ACCEPTANCE["large"] = LARGE
+ACCEPTANCE_LEVEL = {"uniqueItems": "checked", "not": "checked", "untyped-format": "checked"}
+
+
+@pytest.fixture(scope="module")
+def info(models):
+    return make_tokenizer_info(models["tiny-hybrid"])
+
+
+def test_acceptance_schemas_compile(info, capfd):
+    """Accepted (no 400), at the expected level, compiled by xgrammar with no warning beyond those
+    the compiler lets through (they are approximations needs_validation marks as checked)."""
+    c = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+    for name, schema in ACCEPTANCE.items():
+        check_schema(schema)
+        prepared, level = prepare(schema)
+        assert level == ACCEPTANCE_LEVEL.get(name, "full"), name
+        capfd.readouterr()
+        c.compile_json_schema(json.dumps(prepared), **JSON_OPTIONS)
+        warnings = [w for w in capfd.readouterr().err.splitlines() if "Warning" in w]
+        assert all(any(a in w for a in _VALIDATED_WARNINGS) for w in warnings), (name, warnings)
+        assert not warnings or level == "checked"
+
+
+class _FakeWorker:
+    """Stands in for a compile process: records what it was sent."""
+    def __init__(self):
+        self.sent: list[tuple] = []
+
+    def run(self, *args):
+        self.sent.append(args)
+        return ("ok", b"blob", 4, 0.0, "full", [], [])   # the engine enforces all it was sent
+
+
+async def test_compiler_compiles_the_prepared_schema_under_the_original_key():
+    compiler = Compiler("/nonexistent", workers=1, backend="xgrammar")
+    worker = _FakeWorker()
+    compiler._idle.put_nowait(worker)
+    try:
+        spec = json.dumps(UNIT)
+        first = await compiler.compile("json_schema", spec)
+        prepared, level = prepare(UNIT)
+        assert json.dumps(prepared, separators=(",", ":")) in worker.sent[0]   # not the original text
+        assert first.key == grammar_key(canonicalize("json_schema", spec), compiler.identity)
+        assert first.enforcement == level == "full" and not first.cache_hit
+        checked = await compiler.compile("json_schema", json.dumps(ACCEPTANCE["uniqueItems"]))
+        assert checked.enforcement == "checked"
+        again = await compiler.compile("json_schema", json.dumps(UNIT, indent=2))
+        assert again.cache_hit and again.key == first.key and len(worker.sent) == 2
+    finally:
+        await compiler.stop()
+
+
+def test_full_grammars_only_produce_valid_output(info):
+    """Random walks through each prepared grammar: at level full, every finished output validates
+    against the ORIGINAL schema."""
+    c = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+    walker, vocab, rng = Walker(info), info.decoded_vocab, random.Random(0)
+    schemas = {**ACCEPTANCE, **{n: s for n, s, _, _ in EXACT}}
+    finished = 0
+    for name, schema in schemas.items():
+        prepared, level = prepare(schema)
+        g = c.compile_json_schema(json.dumps(prepared), **JSON_OPTIONS)
+        v = validator(schema)
+        for _ in range(4):
+            ids, done = walker.walk(g, rng, max_tokens=200)
+            if not done:
+                continue
+            # strict=False: xgrammar's own length-bounded strings may hold raw control characters
+            # (the compile worker patches that; not this test's subject)
+            value = json.loads(b"".join(vocab[i] for i in ids).decode(), strict=False)
+            finished += 1
+            if level == "full":
+                err = next(iter(v.iter_errors(value)), None)
+                assert err is None, f"{name}: {value!r}: {err.message}"
+    assert finished >= 60
+
+
+# ---------------------------------------------------------------- older drafts (drafts.py)
+
+
+DRAFT_CASES = [
+    # Draft 4: boolean exclusive bounds, id
+    ({"$schema": "http://json-schema.org/draft-04/schema#", "id": "http://x/y", "type": "number", "minimum": 0,
+      "exclusiveMinimum": True, "maximum": 5}, [0.5, 5], [0, -1, 6]),
+    # Draft 7: items as a list, additionalItems
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "array", "items": [{"type": "integer"},
+      {"type": "string"}], "additionalItems": False}, [[1, "a"], [1]], [["a", 1], [1, "a", 2]]),
+    # Draft 6: $id fragments are anchors
+    ({"$schema": "http://json-schema.org/draft-06/schema#", "definitions": {"n": {"$id": "#num", "type": "integer"}},
+      "type": "object", "properties": {"a": {"$ref": "#num"}}}, [{"a": 1}, {}], [{"a": "x"}]),
+    # 2019-09: $recursiveRef to the root
+    ({"$schema": "https://json-schema.org/draft/2019-09/schema", "$recursiveAnchor": True, "type": "object",
+      "properties": {"kid": {"$recursiveRef": "#"}}, "additionalProperties": False},
+     [{}, {"kid": {"kid": {}}}], [{"kid": 1}, {"x": 1}]),
+]
+
+
+@pytest.mark.parametrize("schema,valid,invalid", DRAFT_CASES)
+def test_older_drafts_become_2020_12_with_the_same_meaning(schema, valid, invalid):
+    from jsonschema import Draft202012Validator
+    from jsonschema.validators import validator_for
+
+    from radixflow.services.grammar.drafts import to_2020
+    from radixflow.services.grammar.lint import prepare
+    up = to_2020(schema)
+    Draft202012Validator.check_schema(up)
+    orig, new = validator_for(schema)(schema), Draft202012Validator(up)
+    for v in valid:
+        assert orig.is_valid(v) and new.is_valid(v), v
+    for v in invalid:
+        assert not orig.is_valid(v) and not new.is_valid(v), v
+    prepare(schema)                                   # served, not a 400
+
+
+def test_a_schema_invalid_under_its_own_draft_is_400():
+    from radixflow.services.grammar.drafts import to_2020
+    with pytest.raises(BadRequest):
+        to_2020({"$schema": "http://json-schema.org/draft-07/schema#", "type": "array", "items": 3})
