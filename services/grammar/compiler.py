@@ -30,7 +30,7 @@ from .cache import CacheEntry, GrammarCache
 from .histogram import Histogram
 from .backends.base import CHECKED, FULL
 from .keys import BACKENDS, Canonical, canonicalize, grammar_key
-from .lint import prepare
+from .lint import bounded_formats, prepare
 from .tokenizer_info import tokenizer_identity
 from .worker import CompileTimeout, Worker, WorkerDied
 
@@ -201,7 +201,8 @@ class Compiler:
         """The `auto` rule: xgrammar when it enforces the whole constraint within the budget (the
         lint finds nothing it must leave to the output check, it prints no warning, its grammar
         is under AUTO_MAX_EBNF and the job takes under auto_budget_s); otherwise llguidance when
-        that enforces all of it; otherwise whichever compiles, xgrammar first. A schema the lint
+        that enforces all of it; otherwise whichever compiles, xgrammar first (llguidance first for a
+        length-bounded format or pattern, which only it enforces). A schema the lint
         refuses outright (lint.prepare's 400s) is refused, not handed to llguidance. Schemas over
         AUTO_MAX_SCHEMA_BYTES (generated API schemas: many $refs, which blow up xgrammar's blob)
         go to llguidance first, and to xgrammar only when llguidance refuses them. A hit on
@@ -224,7 +225,14 @@ class Compiler:
                 return first
             # both refused: the first engine's reason, unless it only ran out of budget
             raise (e if isinstance(first_error, _OverBudget) else first_error) from None
-        return second if first is None or second.enforcement == FULL else first
+        if first is None or second.enforcement == FULL:
+            return second
+        # both leave something to the output check. xgrammar gets the normalized schema and so
+        # enforces more, except for a length bound beside a format or pattern: xgrammar drops the
+        # bound (a string a random-ish model may never end), llguidance intersects the two
+        if second.backend == "llguidance" and canon.kind == "json_schema" and bounded_formats(json.loads(canon.text)):
+            return second
+        return first
 
     async def _compile(self, canon: Canonical, backend: str, budgeted: bool = False) -> Compiled:
         key = grammar_key(canon, self.identity, backend)

@@ -47,7 +47,7 @@ whitespace between tokens is at most 2 characters; a schema without `type` produ
 types its keywords name.
 
 Beyond xgrammar: its length-bounded strings admit raw control characters (invalid JSON); the
-compile worker patches that class (see worker.json_schema_grammar). Any other warning xgrammar
+compile worker patches that class (see backends/xgrammar.py). Any other warning xgrammar
 prints while compiling turns the request into a 400 (compiler._VALIDATED_WARNINGS lists the
 three that needs_validation covers).
 
@@ -227,6 +227,13 @@ def prepare(schema: dict) -> tuple[dict, str]:
 def check_schema(schema: dict) -> None:
     """Raise BadRequest unless `schema` is valid Draft 2020-12 and can be served (see prepare)."""
     prepare(schema)
+
+
+def bounded_formats(schema: Any) -> bool:
+    """True when a string schema bounds the length of a `format` or `pattern`: xgrammar enforces
+    only the format/pattern there (the length is checked after), llguidance enforces both."""
+    return any(("format" in node or "pattern" in node) and ("minLength" in node or "maxLength" in node)
+               for node, _, _ in _walk(schema))
 
 
 def needs_validation(schema: dict) -> bool:
