@@ -21,7 +21,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from jsonschema import Draft202012Validator, SchemaError
 
 from radixflow.shared import log
 from radixflow.shared.errors import BadRequest, RadixflowError
@@ -30,6 +29,7 @@ from .cache import CacheEntry, GrammarCache
 from .histogram import Histogram
 from .backends.base import CHECKED, FULL
 from .keys import BACKENDS, Canonical, canonicalize, grammar_key
+from . import drafts
 from .lint import bounded_formats, prepare
 from .tokenizer_info import tokenizer_identity
 from .worker import CompileTimeout, Worker, WorkerDied
@@ -46,17 +46,6 @@ _VALIDATED_WARNINGS = ("oneOf with overlapping", "pattern combined with minLengt
 # auto: JSON schemas longer than this go to llguidance first (see Compiler._auto)
 AUTO_MAX_SCHEMA_BYTES = 32 << 10
 _log = log.get("grammar")
-
-
-def _check_valid(schema: dict) -> None:
-    """llguidance does not check that a schema is valid Draft 2020-12 ({"minLength": -1} passes);
-    lint.prepare does for xgrammar, but also normalizes (over a second for a 77 KB schema)."""
-    try:
-        Draft202012Validator.check_schema(schema)
-    except SchemaError as e:
-        raise BadRequest(f"invalid JSON Schema at {e.json_path}: {e.message}", param="response_format") from None
-    except RecursionError:
-        raise BadRequest("the JSON Schema is nested too deeply", param="response_format") from None
 
 
 class _OverBudget(BadRequest):
@@ -310,7 +299,7 @@ class Compiler:
                 raise _SchemaRefused(e.message, param=e.param) from None
             text = json.dumps(prepared, separators=(",", ":"), ensure_ascii=False)
         elif canon.kind == "json_schema":
-            await loop.run_in_executor(self._threads, _check_valid, canon.value)
+            await loop.run_in_executor(self._threads, drafts.check, canon.value)
         worker = await self._idle.get()
         started.set()
         self.compiles += 1

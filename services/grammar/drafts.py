@@ -34,8 +34,10 @@ def declared(schema: dict) -> type:
     return validator_for(schema, default=Draft202012Validator)
 
 
-def to_2020(schema: dict) -> dict:
-    """`schema` as Draft 2020-12; a 400 when it is invalid under its own declared draft."""
+def check(schema: dict) -> type:
+    """A 400 unless `schema` is valid under the draft it declares (2020-12 when none); returns
+    that draft's validator class. The one place a schema's validity is checked (it is the slow
+    part of a compile: ~0.7 s for a 77 KB schema)."""
     cls = declared(schema)
     try:
         cls.check_schema(schema)
@@ -43,7 +45,12 @@ def to_2020(schema: dict) -> dict:
         raise BadRequest(f"invalid JSON Schema at {e.json_path}: {e.message}", param="response_format") from None
     except RecursionError:
         raise BadRequest("the JSON Schema is nested too deeply", param="response_format") from None
-    if cls is Draft202012Validator:
+    return cls
+
+
+def to_2020(schema: dict) -> dict:
+    """`schema` as Draft 2020-12; a 400 when it is invalid under its own declared draft."""
+    if check(schema) is Draft202012Validator:
         return schema
     out = _upgrade(schema, root=True, depth=0)
     out["$schema"] = DRAFT_2020
