@@ -2,8 +2,9 @@
 
 1. compile: a medium schema compiled cold, then served from the cache (the time inside the grammar
    service, and through the bus), for the same schema reformatted;
-2. decode: tokens/s at batch 16 with a JSON schema vs unconstrained on the same engine, counted over
-   the steps in which all 16 rows are running (so early finishers do not skew either side).
+2. decode: tokens/s at batch 16 with a JSON schema vs unconstrained, counted over the steps in
+   which all 16 rows are running (so early finishers do not skew either side); the constrained
+   side with and without jump-forward decoding (executor/jump.py), on two engines of one process.
 """
 from __future__ import annotations
 
@@ -72,31 +73,45 @@ def _decode(model: str, blob: bytes, batch: int, new_tokens: int) -> dict:
     from radixflow.services.grammar.backends import make
     from radixflow.shared.messages import ExecRequest, SamplingParams
     grammar = make("xgrammar", model).load(zlib.decompress(blob))
-    engine = Engine(EngineConfig(model=model, max_running_requests=batch, burst_gap_s=0))
+    plain = Engine(EngineConfig(model=model, max_running_requests=batch, burst_gap_s=0, jump_forward=0))
+    jumping = Engine(EngineConfig(model=model, max_running_requests=batch, burst_gap_s=0))
 
-    def run(constrained: bool) -> float:
+    def run(engine: Engine, constrained: bool) -> tuple[float, float]:
+        """tokens/s over the steps in which all rows run, and tokens per such step per row."""
         for i in range(batch):
             engine.add(ExecRequest(rid=f"{constrained}-{i}", input_ids=[300 + i, 301, 302, 303], eos_token_ids=[2, 0],
                                    sampling=SamplingParams(max_new_tokens=new_tokens, temperature=0.7, seed=i,
                                                            ignore_eos=not constrained)),
                        grammar if constrained else None)
         engine.step()                                     # prefill
-        full_steps, full_time = 0, 0.0
+        full_steps, full_time, full_tokens = 0, 0.0, 0
         while engine.has_work():
             full = engine.num_running == batch
             t0 = time.perf_counter()
-            engine.step()
+            outs = engine.step()
             if full:
                 full_steps += 1
                 full_time += time.perf_counter() - t0
-        return batch * full_steps / full_time if full_time else float("nan")
+                full_tokens += sum(len(o.token_ids) for _, o in outs)
+        if not full_time:
+            return float("nan"), float("nan")
+        return full_tokens / full_time, full_tokens / full_steps / batch
 
-    run(False)                                            # warm up both paths
-    run(True)
-    free = statistics.median(run(False) for _ in range(3))
-    constrained = statistics.median(run(True) for _ in range(3))
+    for e in (plain, jumping):                            # warm up every path
+        run(e, False)
+        run(e, True)
+    free = statistics.median(run(plain, False)[0] for _ in range(3))
+    constrained = statistics.median(run(plain, True)[0] for _ in range(3))
+    jf = [run(jumping, True) for _ in range(3)]
+    jf_tok_s = statistics.median(r[0] for r in jf)
+    st = jumping.stats()
     return {"batch": batch, "unconstrained_tok_s": round(free, 1), "json_schema_tok_s": round(constrained, 1),
-            "constrained_vs_unconstrained": round(constrained / free, 3)}
+            "constrained_vs_unconstrained": round(constrained / free, 3),
+            "json_schema_jump_forward_tok_s": round(jf_tok_s, 1),
+            "jump_forward_vs_unconstrained": round(jf_tok_s / free, 3),
+            "jump_forward_vs_constrained": round(jf_tok_s / constrained, 3),
+            "jump_forward_tokens_per_row_step": round(statistics.median(r[1] for r in jf), 3),
+            "jump_forward_drafted": st["jump_forward_drafted_total"], "jump_forward_kept": st["jump_forward_kept_total"]}
 
 
 def run_structured(model: str, repeats: int = 200, batch: int = 16, new_tokens: int = 256) -> dict:

@@ -26,13 +26,25 @@ class Constrainer:
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return
-        if logits.shape[0] > self.bitmask.shape[0]:
-            self.bitmask = xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
-        by_engine: dict[Backend, list[int]] = {}
-        for i in rows:
-            by_engine.setdefault(matchers[i].backend, []).append(i)
-        for engine, its_rows in by_engine.items():
-            engine.fill([matchers[i] for i in its_rows], self.bitmask, its_rows)
+        self.fill(rows, [matchers[i] for i in rows], logits.shape[0])
+        self.apply(logits, rows)
+
+    def fill(self, rows: list[int], matchers: list[Matcher], num_rows: int) -> None:
+        """Write the allowed tokens of matchers[j] (in its current state) into bitmask row rows[j]."""
+        if num_rows > self.bitmask.shape[0]:
+            grown = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+            grown[: self.bitmask.shape[0]] = self.bitmask
+            self.bitmask = grown
+        by_engine: dict[Backend, tuple[list[Matcher], list[int]]] = {}
+        for r, m in zip(rows, matchers):
+            ms, rs = by_engine.setdefault(m.backend, ([], []))
+            ms.append(m)
+            rs.append(r)
+        for engine, (ms, rs) in by_engine.items():
+            engine.fill(ms, self.bitmask, rs)
+
+    def apply(self, logits: torch.Tensor, rows: list[int]) -> None:
+        """-inf, in place, where the filled bitmask rows `rows` forbid a token."""
         cpu = logits if logits.device.type == "cpu" else logits.cpu()
         xgr.apply_token_bitmask_inplace(cpu, self.bitmask[: logits.shape[0]].to(cpu.device), indices=rows,
                                         vocab_size=self.vocab_size)

@@ -20,8 +20,10 @@ from radixflow.shared.messages import CacheHints, ExecRequest, Progress, RadixRe
 
 from radixflow.services.radix.pool import pages_for
 from .batcher import Batcher, Plan, candidate_tokens
+from .jump import Drafter
 from .pages import LocalPages, PageAuthority
 from .runner import ModelRunner
+from .sampler import has_penalties
 from .sequence import Sequence, Status
 
 _log = log.get("executor")
@@ -46,6 +48,9 @@ class EngineConfig:
     # burst_wait_s. A lone request waits burst_gap_s once.
     burst_gap_s: float = 0.004
     burst_wait_s: float = 0.05
+    # structured output: draft the tokens of text the grammar forces and verify them in the next
+    # decode step (jump.py); at most this many per step, 0: off
+    jump_forward: int = 8
 
 
 class Engine:
@@ -64,6 +69,7 @@ class Engine:
         self.spec = self.runner.spec
         self.cache = not cfg.disable_radix_cache
         self.runner.warmup()
+        self.drafter = Drafter(cfg.model, cfg.jump_forward) if cfg.jump_forward > 0 else None
         self.pages = pages or LocalPages()
         self._register = RadixRegister(pool=cfg.pool, num_pages=self.num_pages, page_size=cfg.page_size,
                                        cache=self.cache, num_state_slots=num_slots,
@@ -150,7 +156,9 @@ class Engine:
         return len(self.batcher.waiting) + len(self._new)
 
     def stats(self) -> dict[str, int]:
-        return dict(self.counters) | {"running": self.num_running, "waiting": self.num_waiting, "steps": self.steps}
+        return dict(self.counters) | {"running": self.num_running, "waiting": self.num_waiting, "steps": self.steps,
+                                      "jump_forward_drafted_total": self.runner.drafted,
+                                      "jump_forward_kept_total": self.runner.kept}
 
     # ------------------------------------------------------------ the loop (compute thread)
 
@@ -235,19 +243,28 @@ class Engine:
             self.counters["requests_total"] += 1
         return []
 
-    def _postprocess(self, plan: Plan, toks: dict[int, int]) -> list[tuple[str, SeqOutput]]:
+    def _postprocess(self, plan: Plan, toks: dict[int, list[int]]) -> list[tuple[str, SeqOutput]]:
         outs = []
         state = self.runner.state
+        ps = self.page_size
         for i, (seq, ext) in enumerate(zip(plan.seqs, plan.extend_lens)):
+            new = toks.get(i, [])
+            if plan.is_decode:
+                ext = max(len(new), 1)    # the pending token, and each kept draft token, were computed
+            before = seq.computed_len
             seq.computed_len += ext
             if state is not None:
                 # the working state now summarizes exactly computed_len tokens: copy it out where planned
                 slot = seq.checkpoints.get(seq.computed_len)
                 if slot is not None:
                     state.copy(seq.state_slot, slot)
-                elif plan.is_decode and seq.computed_len % self.page_size == 0 and seq.tail_slot >= 0:
-                    state.copy(seq.state_slot, seq.tail_slot)
-                    seq.tail_pos = seq.computed_len
+                elif plan.is_decode and seq.tail_slot >= 0 and seq.computed_len // ps > before // ps:
+                    boundary = seq.computed_len // ps * ps
+                    if boundary == seq.computed_len:
+                        state.copy(seq.state_slot, seq.tail_slot)
+                    else:   # crossed inside a step with a draft: the state as it was at the boundary
+                        self.runner.state_after(self.runner.last_rows[seq.rid] + boundary - before - 1, seq.tail_slot)
+                    seq.tail_pos = boundary
             if not plan.is_decode:
                 self.counters["prefill_tokens_computed_total"] += ext
                 if self.cache and seq.computed_len <= seq.prompt_len:
@@ -256,25 +273,36 @@ class Engine:
                     seq.finish("length")
                     outs.append(self._finish(seq, []))
                     continue
-            if i not in toks:
+            if not new:
                 continue
-            t = toks[i]
-            seq.tokens.append(t)
-            self.counters["generated_tokens_total"] += 1
-            if seq.matcher is not None and not seq.matcher.accept_token(t):
-                outs.append(self._error(seq, 500, f"sampled token {t} is outside the grammar"))
+            failed = False
+            for n, t in enumerate(new, 1):
+                seq.tokens.append(t)
+                self.counters["generated_tokens_total"] += 1
+                if seq.matcher is not None and not seq.matcher.accept_token(t):
+                    outs.append(self._error(seq, 500, f"sampled token {t} is outside the grammar"))
+                    failed = True
+                    break
+                if seq.matcher is not None and seq.matcher.is_terminated():
+                    seq.finish("stop", t)              # the grammar is complete (it ended on a stop token)
+                elif t in seq.stop_ids:
+                    seq.finish("stop", t)
+                elif seq.num_output >= seq.sampling.max_new_tokens or len(seq.tokens) >= self.max_model_len:
+                    seq.finish("length")
+                if seq.status == Status.FINISHED:
+                    if n < len(new):     # ended inside a kept draft: what follows is not output
+                        new, seq.computed_len = new[:n], len(seq.tokens) - 1
+                    break
+            if failed:
                 continue
-            if seq.matcher is not None and seq.matcher.is_terminated():
-                seq.finish("stop", t)              # the grammar is complete (it ended on a stop token)
-            elif t in seq.stop_ids:
-                seq.finish("stop", t)
-            elif seq.num_output >= seq.sampling.max_new_tokens or len(seq.tokens) >= self.max_model_len:
-                seq.finish("length")
             seq.check(self.max_model_len)
             if seq.status == Status.FINISHED:
                 outs.append(self._finish(seq, seq.output_ids[seq.reported:]))
-            else:
-                outs.append(self._output(seq, [t]))
+                continue
+            if self.drafter is not None and seq.matcher is not None and not has_penalties(seq.sampling):
+                # penalized rows are left out: a row's penalties would have to count the draft before it
+                seq.draft = self.drafter.draft(seq)
+            outs.append(self._output(seq, new))
         return outs
 
     def _output(self, seq: Sequence, new: list[int]) -> tuple[str, SeqOutput]:

@@ -36,6 +36,11 @@ class ForwardBatch:
     groups: list[SharedPrefix] = field(default_factory=list)
     own_table: torch.Tensor | None = None    # decode with groups: [N, Lmax] slots after the shared prefix
     own_lens: torch.Tensor | None = None     # decode with groups: [N]
+    # decode with jump-forward drafts (runner._build_decode): a sequence has a row per position, so
+    # rows of one sequence share a state slot and DeltaNet layers run them depth by depth
+    depth_rows: list[torch.Tensor] | None = None   # [depth] -> packed rows at that depth
+    row_depth: list[tuple[int, int]] | None = None  # row -> (depth, index within depth_rows[depth])
+    saved: list = field(default_factory=list)      # per DeltaNet layer: ([conv state per depth], [recurrent per depth])
 
     @property
     def num_seqs(self) -> int:

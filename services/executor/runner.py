@@ -75,6 +75,10 @@ class ModelRunner:
         self.kv = KVPool(self.spec, self.plan, self.device)
         self.state = StatePool(self.spec, self.plan, self.device) if self.spec.is_hybrid else None
         self.constrainer = Constrainer(self.spec.vocab_size, max_rows=64)
+        self.last: ForwardBatch | None = None   # the last step's batch (state_after reads its saved states)
+        self.last_rows: dict[str, int] = {}     # the last decode step: each sequence's first row
+        self.drafted = 0     # jump-forward draft tokens computed ...
+        self.kept = 0        # ... and kept
 
     def warmup(self, tokens: int = 2048) -> None:
         """One prefill and a few decode steps on scratch pages before serving, so the first request
@@ -95,7 +99,7 @@ class ModelRunner:
         for _ in range(3):
             for i, s in enumerate(seqs):
                 s.computed_len = len(s.tokens)
-                s.tokens.append(toks[i])
+                s.tokens += toks[i]
             toks = self.run(Plan(True, seqs, [1, 1]))
 
     def _slots(self, seq) -> torch.Tensor:
@@ -107,14 +111,18 @@ class ModelRunner:
     def build(self, plan: Plan) -> tuple[ForwardBatch, list[int], list[tuple[int, int]]]:
         """Tensors for one step, the indices (into plan.seqs) of sequences that get a token, and the
         prompt-logprob rows: (index into plan.seqs, token whose logprob the row gives), in order;
-        their logits rows follow the sampled ones in fb.logits_rows."""
-        dev, ps = self.device, self.kv.page_size
+        their logits rows follow the sampled ones in fb.logits_rows. In a decode step a sequence
+        with a jump-forward draft has a row per position (its pending token, then the draft), each
+        one token attending to everything before it: fb.depth_rows says which row is which."""
+        if plan.is_decode:
+            return self._build_decode(plan), list(range(len(plan.seqs))), []
+        dev = self.device
         ids, pos, out_slots, seq_slots, rows, want = [], [], [], [], [], []
         lp_rows, lp = [], []
         row = 0
         for i, (seq, ext) in enumerate(zip(plan.seqs, plan.extend_lens)):
             start, end = seq.computed_len, seq.computed_len + ext
-            if seq.logprob_start >= 0 and not plan.is_decode:
+            if seq.logprob_start >= 0:
                 # the logits at position p predict token p + 1
                 for p in range(max(start, seq.logprob_start - 1, 0), min(end, seq.prompt_len - 1)):
                     lp_rows.append(row + p - start)
@@ -122,48 +130,89 @@ class ModelRunner:
             slots = self._slots(seq)[:end]
             ids.extend(seq.tokens[start:end])
             pos.extend(range(start, end))
-            if plan.is_decode:
-                out_slots.append(seq.pages[start // ps] * ps + start % ps)
-            else:
-                out_slots.append(slots[start:end])
+            out_slots.append(slots[start:end])
             seq_slots.append(slots)
             row += ext
             if end == len(seq.tokens) and not seq.prefill_only:   # the prompt is complete: this step yields a token
                 rows.append(row - 1)
                 want.append(i)
         fb = ForwardBatch(
-            is_decode=plan.is_decode,
+            is_decode=False,
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(pos, dtype=torch.int64, device=dev),
-            out_slots=torch.tensor(out_slots, dtype=torch.int64, device=dev) if plan.is_decode else torch.cat(out_slots),
+            out_slots=torch.cat(out_slots),
             prefix_lens=[s.computed_len for s in plan.seqs],
             extend_lens=list(plan.extend_lens),
             seq_slots=seq_slots,
             state_slots=torch.tensor([s.state_slot for s in plan.seqs], dtype=torch.int64, device=dev),
             logits_rows=torch.tensor(rows + lp_rows, dtype=torch.int64, device=dev))
-        # a shared prefix lies within what every member computed before this step
-        # groups of one only in decode: in a prefill the new tokens are many and are better read
-        # together with the rest of their sequence by one masked kernel
-        fb.groups = shared_prefixes([s.pages for s in plan.seqs], [s.computed_len for s in plan.seqs], ps, dev,
-                                    singles=plan.is_decode)
-        if plan.is_decode:
-            lens = [len(s) for s in seq_slots]
-            fb.seq_lens = torch.tensor(lens, dtype=torch.int64, device=dev)
-            if fb.groups:
-                start = [0] * len(seq_slots)
-                for g in fb.groups:
-                    for i in g.seqs:
-                        start[i] = len(g.slots)
-                own = [sl[st:] for sl, st in zip(seq_slots, start)]
-                fb.own_lens = torch.tensor([n - st for n, st in zip(lens, start)], dtype=torch.int64, device=dev)
-                fb.own_table = torch.nn.utils.rnn.pad_sequence(own, batch_first=True)
-            else:
-                fb.slot_table = torch.nn.utils.rnn.pad_sequence(seq_slots, batch_first=True)
+        # a shared prefix lies within what every member computed before this step; in a prefill
+        # the new tokens are many and are better read together with the rest of their sequence by
+        # one masked kernel, so no groups of one
+        fb.groups = shared_prefixes([s.pages for s in plan.seqs], [s.computed_len for s in plan.seqs],
+                                    self.kv.page_size, dev, singles=False)
         return fb, want, lp
 
-    def run(self, plan: Plan) -> dict[int, int]:
-        """Run one step; returns {index in plan.seqs: sampled token} for sequences that produce one.
-        Logprobs asked for are appended to the sequences (prompt ones, and the sampled token's)."""
+    def _build_decode(self, plan: Plan) -> ForwardBatch:
+        dev, ps = self.device, self.kv.page_size
+        ids, pos, out_slots, seq_slots, state_slots, depth = [], [], [], [], [], []
+        self.last_rows = {}
+        for seq in plan.seqs:
+            p = seq.computed_len            # the pending token's position
+            slots = self._slots(seq)
+            self.last_rows[seq.rid] = len(ids)
+            for d, t in enumerate([seq.tokens[p]] + seq.draft):
+                ids.append(t)
+                pos.append(p + d)
+                out_slots.append(seq.pages[(p + d) // ps] * ps + (p + d) % ps)
+                seq_slots.append(slots[:p + d + 1])
+                state_slots.append(seq.state_slot)
+                depth.append(d)
+        n = len(ids)
+        fb = ForwardBatch(
+            is_decode=True,
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+            out_slots=torch.tensor(out_slots, dtype=torch.int64, device=dev),
+            prefix_lens=list(pos),
+            extend_lens=[1] * n,
+            seq_slots=seq_slots,
+            state_slots=torch.tensor(state_slots, dtype=torch.int64, device=dev),
+            logits_rows=torch.arange(n, dtype=torch.int64, device=dev))
+        if n > len(plan.seqs):
+            by_depth: list[list[int]] = [[] for _ in range(max(depth) + 1)]
+            for r, d in enumerate(depth):
+                by_depth[d].append(r)
+            fb.depth_rows = [torch.tensor(rs, dtype=torch.int64, device=dev) for rs in by_depth]
+            fb.row_depth = [(d, by_depth[d].index(r)) for r, d in enumerate(depth)]
+        # groups are found among sequences, as without drafts, then take in all rows of their members
+        rows_of = [[] for _ in plan.seqs]
+        k = 0
+        for i, seq in enumerate(plan.seqs):
+            rows_of[i] = list(range(k, k + 1 + len(seq.draft)))
+            k += 1 + len(seq.draft)
+        fb.groups = [SharedPrefix(seqs=[r for i in g.seqs for r in rows_of[i]], slots=g.slots, start=g.start)
+                     for g in shared_prefixes([s.pages for s in plan.seqs], [s.computed_len for s in plan.seqs],
+                                              ps, dev, singles=True)]
+        lens = [len(s) for s in seq_slots]
+        fb.seq_lens = torch.tensor(lens, dtype=torch.int64, device=dev)
+        if fb.groups:
+            start = [0] * n
+            for g in fb.groups:
+                for i in g.seqs:
+                    start[i] = len(g.slots)
+            own = [sl[st:] for sl, st in zip(seq_slots, start)]
+            fb.own_lens = torch.tensor([m - st for m, st in zip(lens, start)], dtype=torch.int64, device=dev)
+            fb.own_table = torch.nn.utils.rnn.pad_sequence(own, batch_first=True)
+        else:
+            fb.slot_table = torch.nn.utils.rnn.pad_sequence(seq_slots, batch_first=True)
+        return fb
+
+    def run(self, plan: Plan) -> dict[int, list[int]]:
+        """Run one step; returns {index in plan.seqs: its new tokens} for sequences that produce
+        some: one token, or in a decode step with a jump-forward draft the pending token's sample
+        and then one more for each draft token kept (see jump.py). Logprobs asked for are appended
+        to the sequences (prompt ones, and the kept tokens')."""
         if self.state is not None:
             for seq in plan.seqs:
                 if not seq.state_ready:   # first step: resume from the checkpoint, or from zero
@@ -173,6 +222,7 @@ class ModelRunner:
                         self.state.reset(seq.state_slot)
                     seq.state_ready = True
         fb, want, lp = self.build(plan)
+        self.last = fb
         logits = self.model(fb, self.kv, self.state)
         if lp:
             self._prompt_logprobs(plan, logits[len(want):], lp)
@@ -180,14 +230,75 @@ class ModelRunner:
         if not want:
             return {}
         seqs = [plan.seqs[i] for i in want]
-        matchers = [s.matcher for s in seqs]
-        out = sampler.sample(logits, seqs, mask=lambda x: self.constrainer.mask(x, matchers))
-        for s, v, top in zip(seqs, out.logprobs, out.top):
-            if v is not None:
-                s.logprobs.append(v)
-            if top is not None:
-                s.top_logprobs.append(top)
-        return dict(zip(want, out.tokens))
+        if fb.depth_rows is None:
+            matchers = [s.matcher for s in seqs]
+            out = sampler.sample(logits, seqs, mask=lambda x: self.constrainer.mask(x, matchers))
+            for s, v, top in zip(seqs, out.logprobs, out.top):
+                self._keep_logprobs(s, v, top)
+            return {i: [t] for i, t in zip(want, out.tokens)}
+        return self._verify(fb, seqs, logits)
+
+    def _verify(self, fb: ForwardBatch, seqs: list, logits: torch.Tensor) -> dict[int, list[int]]:
+        """A decode step with drafts: every row sampled under the grammar as it stands after the
+        draft tokens before it; each sequence keeps its samples up to the first that differs from
+        its draft. Where the tail of a draft is dropped, its recurrent state is put back to the
+        last kept position (the rows' KV beyond it is never read: a later step overwrites it)."""
+        first = []
+        rows = []
+        for s in seqs:
+            first.append(len(rows))
+            rows += [s] * (1 + len(s.draft))
+        out = sampler.sample(logits, rows, mask=lambda x: self._mask_drafts(x, seqs, first))
+        new = {}
+        for i, (s, r0) in enumerate(zip(seqs, first)):
+            kept = []
+            for d in range(1 + len(s.draft)):
+                t = out.tokens[r0 + d]
+                kept.append(t)
+                self._keep_logprobs(s, out.logprobs[r0 + d], out.top[r0 + d])
+                if d == len(s.draft) or t != s.draft[d]:
+                    break
+            if s.draft:
+                self.drafted += len(s.draft)
+                self.kept += len(kept) - 1
+                if len(kept) <= len(s.draft) and self.state is not None:
+                    self.state_after(r0 + len(kept) - 1, s.state_slot)
+            new[i] = kept
+            s.draft = []
+        return new
+
+    def _mask_drafts(self, logits: torch.Tensor, seqs: list, first: list[int]) -> None:
+        """Grammar masks for every row of a step with drafts. Row r0 + d of a sequence gets the mask
+        of its matcher after the first d draft tokens: the matchers walk the drafts depth by depth
+        (one batched fill per depth) and are rolled back after."""
+        con = [(s, r0) for s, r0 in zip(seqs, first) if s.matcher is not None]
+        if not con:
+            return
+        live, d = con, 0
+        while live:
+            self.constrainer.fill([r0 + d for _, r0 in live], [s.matcher for s, _ in live], logits.shape[0])
+            live = [(s, r0) for s, r0 in live if d < len(s.draft)]
+            for s, _ in live:
+                s.matcher.accept_token(s.draft[d])      # legal: the drafter checked it
+            d += 1
+        for s, _ in con:
+            s.matcher.rollback(len(s.draft))
+        self.constrainer.apply(logits, [r0 + d for s, r0 in con for d in range(1 + len(s.draft))])
+
+    def state_after(self, row: int, slot: int) -> None:
+        """Hybrid models: copy into `slot` the DeltaNet state (every layer's) as it was after `row`
+        of the last decode step with drafts (the layers keep one per depth: fb.saved)."""
+        d, j = self.last.row_depth[row]
+        for layer, (convs, recs) in enumerate(self.last.saved):
+            self.state.conv[layer][slot].copy_(convs[d][j])
+            self.state.recurrent[layer][slot].copy_(recs[d][j])
+
+    @staticmethod
+    def _keep_logprobs(s, v, top) -> None:
+        if v is not None:
+            s.logprobs.append(v)
+        if top is not None:
+            s.top_logprobs.append(top)
 
     def _prompt_logprobs(self, plan: Plan, logits: torch.Tensor, lp: list[tuple[int, int]]) -> None:
         """The prompt-logprob rows of this step (raw logits [len(lp), V]) -> each sequence's

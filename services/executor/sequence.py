@@ -51,6 +51,7 @@ class Sequence:
     tail_pos: int = 0            # ... which is this position (0: none yet)
     checkpoint_at: list[int] = field(default_factory=list)   # extra checkpoints asked for (fork points)
     matcher: Any = None          # structured output: a grammar Matcher (grammar/backends) over the output
+    draft: list[int] = field(default_factory=list)   # jump-forward: forced tokens after the pending one (jump.py)
     priority: int = 0            # admission order (speculative program branches: lower)
     quota_pages: int = 0         # > 0: its namespace's owner may keep at most this many cached pages (radix)
     pin: str = ""                # programs: keep the cached prefix locked under this key at release

@@ -39,7 +39,12 @@ class GatedDeltaNet(nn.Module):
         T = x.shape[0]
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
         slots = batch.state_slots
-        if batch.is_decode:
+        saved = None
+        if batch.depth_rows is not None:
+            saved = ([], [])
+            batch.saved.append(saved)
+            mixed = self._conv_by_depth(mixed, batch, conv, saved[0])
+        elif batch.is_decode:
             conv_state = conv[slots]                                           # [N, C, W-1] (a copy)
             mixed = causal_conv1d_update(mixed, conv_state, self.conv_weight)  # [N, C]
             conv[slots] = conv_state
@@ -56,7 +61,9 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(T, self.hv, self.dv)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)   # [T, Hv], <= 0
-        if batch.is_decode:
+        if saved is not None:
+            o = self._rule_by_depth(q, k, v, g, beta, batch, rec, saved[1])
+        elif batch.is_decode:
             state = rec[slots]                                                  # [N, Hv, Dk, Dv] (a copy)
             o = gated_delta_rule_decode(q, k, v, g, beta, state)
             rec[slots] = state
@@ -69,3 +76,29 @@ class GatedDeltaNet(nn.Module):
                 rec[slot] = final[0]
         o = self.norm(o, z.reshape(T, self.hv, self.dv))
         return self.out_proj(o.reshape(T, self.value_dim))
+
+    # A decode step with jump-forward drafts has several rows per sequence, one per position, all
+    # on the sequence's one state slot: they run depth by depth (at each depth one row per
+    # sequence), and the state after every depth is kept in `saved` so that a rejected draft tail
+    # can be undone (runner.state_after). The kept tensors are the gathered copies the update ran
+    # on: nothing writes them afterwards.
+
+    def _conv_by_depth(self, mixed: torch.Tensor, batch: ForwardBatch, conv: torch.Tensor, saved: list) -> torch.Tensor:
+        out = torch.empty_like(mixed)
+        for rows in batch.depth_rows:
+            slots = batch.state_slots[rows]
+            st = conv[slots]
+            out[rows] = causal_conv1d_update(mixed[rows], st, self.conv_weight)
+            conv[slots] = st
+            saved.append(st)
+        return out
+
+    def _rule_by_depth(self, q, k, v, g, beta, batch: ForwardBatch, rec: torch.Tensor, saved: list) -> torch.Tensor:
+        o = torch.empty_like(v)
+        for rows in batch.depth_rows:
+            slots = batch.state_slots[rows]
+            st = rec[slots]
+            o[rows] = gated_delta_rule_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], st)
+            rec[slots] = st
+            saved.append(st)
+        return o

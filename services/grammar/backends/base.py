@@ -7,6 +7,7 @@ the executor handle them alike.
                        Grammar.matcher() -> Matcher          one per request
                        Backend.fill(matchers, bitmask, rows)  the rows of one step's bitmask
                        Matcher.accept_token(t), Matcher.is_terminated()
+                       Matcher.forced_text(), legal_prefix(ts), rollback(n)   jump-forward drafts
 
 The bitmask is the one both engines write: int32 [rows, ceil(V / 32)], bit t % 32 of word t // 32
 set when token t is allowed, V the model's (possibly padded) vocabulary. So the executor fills the
@@ -49,6 +50,19 @@ class Matcher(ABC):
     @abstractmethod
     def is_terminated(self) -> bool:
         """True once a stop token was accepted where the grammar may end."""
+
+    @abstractmethod
+    def forced_text(self) -> str:
+        """The text the grammar forces next from here, whole characters only ("" when none);
+        jump-forward decoding drafts its tokens (executor/jump.py)."""
+
+    @abstractmethod
+    def legal_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar accepts from here; the state is unchanged."""
+
+    @abstractmethod
+    def rollback(self, n: int) -> None:
+        """Undo the last `n` accepted tokens (a verified draft's rejected tail)."""
 
 
 class Grammar(ABC):

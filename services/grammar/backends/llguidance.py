@@ -45,6 +45,30 @@ class LLGuidanceMatcher(Matcher):
     def is_terminated(self) -> bool:
         return self._terminated
 
+    def forced_text(self) -> str:
+        if self._terminated or self.m.is_stopped():
+            return ""
+        # whole characters only, as xgrammar gives them: nothing when the bytes start inside a
+        # character (after a token that split one), and the end cut before a split one
+        raw = self.m.compute_ff_bytes()
+        if raw[:1] and 0x80 <= raw[0] < 0xC0:
+            return ""
+        for cut in range(len(raw), max(len(raw) - 4, 0) - 1, -1):
+            try:
+                return raw[:cut].decode()
+            except UnicodeDecodeError:
+                continue
+        return ""
+
+    def legal_prefix(self, tokens: list[int]) -> int:
+        # consume_token on a refused token would put the matcher in its error state
+        return self.m.validate_tokens(tokens)
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self.m.rollback(n)
+            self._terminated = False
+
 
 class LLGuidanceGrammar(Grammar):
     def __init__(self, backend: "LLGuidanceBackend", template: "llg.LLMatcher"):

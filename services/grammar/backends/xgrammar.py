@@ -90,6 +90,23 @@ class XGrammarMatcher(Matcher):
     def is_terminated(self) -> bool:
         return self.m.is_terminated()
 
+    def forced_text(self) -> str:
+        return self.m.find_jump_forward_string()
+
+    def legal_prefix(self, tokens: list[int]) -> int:
+        n = 0
+        for t in tokens:     # a refused token leaves xgrammar's state as it was
+            if not self.m.accept_token(t):
+                break
+            n += 1
+        if n:
+            self.m.rollback(n)
+        return n
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self.m.rollback(n)
+
 
 class XGrammarGrammar(Grammar):
     def __init__(self, backend: "XGrammarBackend", compiled: "xgr.CompiledGrammar"):

@@ -1,0 +1,126 @@
+"""Jump-forward decoding (executor/jump.py): drafts of the text a grammar forces, verified in one
+step. The output must be exactly what decoding without it gives (greedy: token for token), on
+both models (the hybrid one must undo the DeltaNet state of a rejected draft tail) and both
+grammar engines, while drafts are really made and kept."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from radixflow.services.executor.engine import Engine, EngineConfig
+from radixflow.services.executor.jump import Drafter
+from radixflow.services.grammar.backends import make_all
+from radixflow.services.grammar.keys import canonicalize
+from radixflow.shared.messages import ExecRequest, SamplingParams
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                      "kind": {"enum": ["alphabetical", "numerical", "chronological"]},
+                                      "count": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "boolean"},
+                                                                            "maxItems": 3}},
+     "required": ["name", "kind", "count", "tags"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "object", "properties": {"identifier": {"const": "constant-value-here"},
+                                                                 "flag": {"type": "boolean"}},
+                                "required": ["identifier", "flag"], "additionalProperties": False},
+     "minItems": 2, "maxItems": 3},
+]
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 4000) for _ in range(n)]
+
+
+def run(engine: Engine, grammars, reqs: list[tuple[ExecRequest, int | None]]) -> dict[str, list[int]]:
+    for r, g in reqs:
+        engine.add(r, grammars[g].load_grammar() if g is not None else None)
+    out: dict[str, list[int]] = {}
+    while engine.has_work():
+        for _, o in engine.step():
+            assert not o.error, o.error
+            out.setdefault(o.rid, []).extend(o.token_ids)
+    return out
+
+
+class Compiled:
+    def __init__(self, backend, schema):
+        self.backend = backend
+        self.raw = backend.compile("json_schema", canonicalize("json_schema", json.dumps(schema)).text).raw
+
+    def load_grammar(self):
+        return self.backend.load(self.raw)
+
+
+@pytest.fixture(scope="module", params=["tiny-dense", "tiny-hybrid"])
+def model(request, models):
+    return models[request.param]
+
+
+def engines(model: str):
+    mk = lambda jf: Engine(EngineConfig(model=model, page_size=16, max_total_tokens=16384, max_running_requests=16,
+                                        max_prefill_tokens=2048, jump_forward=jf))
+    return mk(8), mk(0)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_greedy_output_is_the_same_with_and_without_jump_forward(model, backend):
+    ready, failed = make_all(model)
+    assert backend in ready, failed
+    grammars = [Compiled(ready[backend], s) for s in SCHEMAS]
+    with_jf, without = engines(model)
+    eos = [0, 2]
+
+    def reqs():
+        rs = [(ExecRequest(rid=f"c{i}", input_ids=prompt(i, 20 + 7 * i), eos_token_ids=eos,
+                           sampling=SamplingParams(temperature=0.0, max_new_tokens=90, logprobs=i == 1)), i % 2)
+              for i in range(6)]
+        # an unconstrained row and a penalized constrained row share the batch (no drafts for them)
+        rs.append((ExecRequest(rid="free", input_ids=prompt(9, 30), eos_token_ids=eos,
+                               sampling=SamplingParams(temperature=0.0, max_new_tokens=40)), None))
+        rs.append((ExecRequest(rid="pen", input_ids=prompt(10, 25), eos_token_ids=eos,
+                               sampling=SamplingParams(temperature=0.0, max_new_tokens=60, frequency_penalty=0.5)), 0))
+        return rs
+
+    a, b = run(with_jf, grammars, reqs()), run(without, grammars, reqs())
+    assert a == b
+    st = with_jf.stats()
+    assert st["jump_forward_drafted_total"] > 0 and st["jump_forward_kept_total"] > 0, st
+    assert without.stats()["jump_forward_drafted_total"] == 0
+    # fewer steps for the same tokens: the kept drafts cost no step of their own
+    assert with_jf.steps < without.steps
+    # the hybrid cache kept the state at page boundaries crossed inside a step: a follow-up request
+    # that continues an output from the cache gives what a cold engine gives
+    r = reqs()[0][0]
+    follow = r.input_ids + a["c0"][:40] + prompt(11, 5)
+    cont = lambda e: run(e, grammars, [(ExecRequest(rid="f", input_ids=follow, eos_token_ids=eos,
+                                                    sampling=SamplingParams(temperature=0.0, max_new_tokens=20)), None)])
+    assert cont(with_jf) == cont(Engine(EngineConfig(model=model, page_size=16, max_total_tokens=4096,
+                                                     disable_radix_cache=True, jump_forward=0)))
+
+
+def test_the_draft_is_the_forced_text_as_the_tokenizer_writes_it(models):
+    model = models["tiny-dense"]
+    ready, _ = make_all(model)
+    g = Compiled(ready["xgrammar"], {"type": "object", "properties": {"alphabetical": {"const": "chronological"}},
+                                     "required": ["alphabetical"], "additionalProperties": False}).load_grammar()
+    d = Drafter(model)
+    from radixflow.services.executor.sequence import Sequence
+    seq = Sequence(rid="x", tokens=[5], sampling=SamplingParams(max_new_tokens=50), eos_ids=frozenset())
+    seq.matcher = g.matcher()
+    for t in d.encode('{"'):
+        assert seq.matcher.accept_token(t)
+        seq.tokens.append(t)
+    forced = seq.matcher.forced_text()
+    assert forced.startswith('alphabetical"')
+    draft = d.draft(seq)
+    text = d.tok.decode(draft)
+    assert draft and forced.startswith(text)
+    # re-tokenized at the boundary: the pending token's text and the forced text encoded together
+    both = d.encode(d.tok.decode([seq.tokens[-1]]) + forced)
+    assert (both[1:] if both[0] == seq.tokens[-1] else d.encode(forced))[:len(draft)] == draft
+    assert seq.matcher.forced_text() == forced          # the matcher is left where it was
+    # never more than the request may still generate (one token is the verified step's own)
+    seq.sampling = SamplingParams(max_new_tokens=seq.num_output + 2)
+    assert len(d.draft(seq)) == 1
