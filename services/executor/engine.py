@@ -50,7 +50,7 @@ class EngineConfig:
     burst_wait_s: float = 0.05
     # structured output: draft the tokens of text the grammar forces and verify them in the next
     # decode step (jump.py); at most this many per step, 0: off
-    jump_forward: int = 8
+    jump_forward: int = 4
 
 
 class Engine:
@@ -263,7 +263,7 @@ class Engine:
                     if boundary == seq.computed_len:
                         state.copy(seq.state_slot, seq.tail_slot)
                     else:   # crossed inside a step with a draft: the state as it was at the boundary
-                        self.runner.state_after(self.runner.last_rows[seq.rid] + boundary - before - 1, seq.tail_slot)
+                        self.runner.state_after(seq.rid, boundary - before - 1, seq.tail_slot)
                     seq.tail_pos = boundary
             if not plan.is_decode:
                 self.counters["prefill_tokens_computed_total"] += ext

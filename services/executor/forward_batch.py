@@ -37,10 +37,13 @@ class ForwardBatch:
     own_table: torch.Tensor | None = None    # decode with groups: [N, Lmax] slots after the shared prefix
     own_lens: torch.Tensor | None = None     # decode with groups: [N]
     # decode with jump-forward drafts (runner._build_decode): a sequence has a row per position, so
-    # rows of one sequence share a state slot and DeltaNet layers run them depth by depth
-    depth_rows: list[torch.Tensor] | None = None   # [depth] -> packed rows at that depth
-    row_depth: list[tuple[int, int]] | None = None  # row -> (depth, index within depth_rows[depth])
-    saved: list = field(default_factory=list)      # per DeltaNet layer: ([conv state per depth], [recurrent per depth])
+    # rows of one sequence share a state slot and DeltaNet layers run them depth by depth. Depth d's
+    # rows are the range depth_bounds[d]; their sequences are the first (end - start) of the order
+    # of depth 0's rows (longest draft first)
+    depth_bounds: list[tuple[int, int]] | None = None
+    rows_of: list[list[int]] | None = None         # plan sequence -> its rows, by depth
+    order_pos: dict[int, int] | None = None        # plan sequence -> its place in that order
+    saved: list = field(default_factory=list)      # per DeltaNet layer: ([conv state after depth d], [recurrent ...])
 
     @property
     def num_seqs(self) -> int:

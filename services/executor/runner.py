@@ -76,7 +76,7 @@ class ModelRunner:
         self.state = StatePool(self.spec, self.plan, self.device) if self.spec.is_hybrid else None
         self.constrainer = Constrainer(self.spec.vocab_size, max_rows=64)
         self.last: ForwardBatch | None = None   # the last step's batch (state_after reads its saved states)
-        self.last_rows: dict[str, int] = {}     # the last decode step: each sequence's first row
+        self.last_index: dict[str, int] = {}    # the last step: each sequence's index in its plan
         self.drafted = 0     # jump-forward draft tokens computed ...
         self.kept = 0        # ... and kept
 
@@ -113,7 +113,7 @@ class ModelRunner:
         prompt-logprob rows: (index into plan.seqs, token whose logprob the row gives), in order;
         their logits rows follow the sampled ones in fb.logits_rows. In a decode step a sequence
         with a jump-forward draft has a row per position (its pending token, then the draft), each
-        one token attending to everything before it: fb.depth_rows says which row is which."""
+        one token attending to everything before it: fb.rows_of says which row is which."""
         if plan.is_decode:
             return self._build_decode(plan), list(range(len(plan.seqs))), []
         dev = self.device
@@ -154,20 +154,32 @@ class ModelRunner:
         return fb, want, lp
 
     def _build_decode(self, plan: Plan) -> ForwardBatch:
+        """Without drafts, one row per sequence. With drafts, rows are laid out depth by depth: every
+        sequence's pending token first, then the first draft token of each sequence that has one,
+        and so on, with the sequences ordered by draft length, longest first. So the rows of a depth
+        are a contiguous range, and the sequences they belong to are a prefix of that order (what
+        the DeltaNet layers' depth loop wants: slices, not gathers)."""
         dev, ps = self.device, self.kv.page_size
-        ids, pos, out_slots, seq_slots, state_slots, depth = [], [], [], [], [], []
-        self.last_rows = {}
-        for seq in plan.seqs:
-            p = seq.computed_len            # the pending token's position
-            slots = self._slots(seq)
-            self.last_rows[seq.rid] = len(ids)
-            for d, t in enumerate([seq.tokens[p]] + seq.draft):
-                ids.append(t)
-                pos.append(p + d)
-                out_slots.append(seq.pages[(p + d) // ps] * ps + (p + d) % ps)
-                seq_slots.append(slots[:p + d + 1])
+        seqs = plan.seqs
+        order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i].draft))
+        depths = 1 + len(seqs[order[0]].draft)
+        ids, pos, out_slots, seq_slots, state_slots = [], [], [], [], []
+        rows_of: list[list[int]] = [[] for _ in seqs]
+        bounds = []
+        for d in range(depths):
+            start = len(ids)
+            for i in order:
+                seq = seqs[i]
+                if d > len(seq.draft):
+                    break
+                p = seq.computed_len + d        # computed_len: the pending token's position
+                rows_of[i].append(len(ids))
+                ids.append(seq.draft[d - 1] if d else seq.tokens[p])
+                pos.append(p)
+                out_slots.append(seq.pages[p // ps] * ps + p % ps)
+                seq_slots.append(self._slots(seq)[:p + 1])
                 state_slots.append(seq.state_slot)
-                depth.append(d)
+            bounds.append((start, len(ids)))
         n = len(ids)
         fb = ForwardBatch(
             is_decode=True,
@@ -179,21 +191,14 @@ class ModelRunner:
             seq_slots=seq_slots,
             state_slots=torch.tensor(state_slots, dtype=torch.int64, device=dev),
             logits_rows=torch.arange(n, dtype=torch.int64, device=dev))
-        if n > len(plan.seqs):
-            by_depth: list[list[int]] = [[] for _ in range(max(depth) + 1)]
-            for r, d in enumerate(depth):
-                by_depth[d].append(r)
-            fb.depth_rows = [torch.tensor(rs, dtype=torch.int64, device=dev) for rs in by_depth]
-            fb.row_depth = [(d, by_depth[d].index(r)) for r, d in enumerate(depth)]
+        if depths > 1:
+            fb.depth_bounds = bounds
+            fb.rows_of = rows_of
+            fb.order_pos = {i: j for j, i in enumerate(order)}
         # groups are found among sequences, as without drafts, then take in all rows of their members
-        rows_of = [[] for _ in plan.seqs]
-        k = 0
-        for i, seq in enumerate(plan.seqs):
-            rows_of[i] = list(range(k, k + 1 + len(seq.draft)))
-            k += 1 + len(seq.draft)
+        groups = shared_prefixes([s.pages for s in seqs], [s.computed_len for s in seqs], ps, dev, singles=True)
         fb.groups = [SharedPrefix(seqs=[r for i in g.seqs for r in rows_of[i]], slots=g.slots, start=g.start)
-                     for g in shared_prefixes([s.pages for s in plan.seqs], [s.computed_len for s in plan.seqs],
-                                              ps, dev, singles=True)]
+                     for g in groups]
         lens = [len(s) for s in seq_slots]
         fb.seq_lens = torch.tensor(lens, dtype=torch.int64, device=dev)
         if fb.groups:
@@ -223,6 +228,7 @@ class ModelRunner:
                     seq.state_ready = True
         fb, want, lp = self.build(plan)
         self.last = fb
+        self.last_index = {s.rid: i for i, s in enumerate(plan.seqs)}
         logits = self.model(fb, self.kv, self.state)
         if lp:
             self._prompt_logprobs(plan, logits[len(want):], lp)
@@ -230,7 +236,7 @@ class ModelRunner:
         if not want:
             return {}
         seqs = [plan.seqs[i] for i in want]
-        if fb.depth_rows is None:
+        if fb.depth_bounds is None:
             matchers = [s.matcher for s in seqs]
             out = sampler.sample(logits, seqs, mask=lambda x: self.constrainer.mask(x, matchers))
             for s, v, top in zip(seqs, out.logprobs, out.top):
@@ -243,55 +249,55 @@ class ModelRunner:
         draft tokens before it; each sequence keeps its samples up to the first that differs from
         its draft. Where the tail of a draft is dropped, its recurrent state is put back to the
         last kept position (the rows' KV beyond it is never read: a later step overwrites it)."""
-        first = []
-        rows = []
-        for s in seqs:
-            first.append(len(rows))
-            rows += [s] * (1 + len(s.draft))
-        out = sampler.sample(logits, rows, mask=lambda x: self._mask_drafts(x, seqs, first))
+        rows = [None] * logits.shape[0]
+        for s, rs in zip(seqs, fb.rows_of):
+            for r in rs:
+                rows[r] = s
+        out = sampler.sample(logits, rows, mask=lambda x: self._mask_drafts(x, seqs, fb.rows_of))
         new = {}
-        for i, (s, r0) in enumerate(zip(seqs, first)):
+        for i, (s, rs) in enumerate(zip(seqs, fb.rows_of)):
             kept = []
-            for d in range(1 + len(s.draft)):
-                t = out.tokens[r0 + d]
+            for d, r in enumerate(rs):
+                t = out.tokens[r]
                 kept.append(t)
-                self._keep_logprobs(s, out.logprobs[r0 + d], out.top[r0 + d])
+                self._keep_logprobs(s, out.logprobs[r], out.top[r])
                 if d == len(s.draft) or t != s.draft[d]:
                     break
             if s.draft:
                 self.drafted += len(s.draft)
                 self.kept += len(kept) - 1
                 if len(kept) <= len(s.draft) and self.state is not None:
-                    self.state_after(r0 + len(kept) - 1, s.state_slot)
+                    self.state_after(s.rid, len(kept) - 1, s.state_slot)
             new[i] = kept
             s.draft = []
         return new
 
-    def _mask_drafts(self, logits: torch.Tensor, seqs: list, first: list[int]) -> None:
-        """Grammar masks for every row of a step with drafts. Row r0 + d of a sequence gets the mask
-        of its matcher after the first d draft tokens: the matchers walk the drafts depth by depth
-        (one batched fill per depth) and are rolled back after."""
-        con = [(s, r0) for s, r0 in zip(seqs, first) if s.matcher is not None]
+    def _mask_drafts(self, logits: torch.Tensor, seqs: list, rows_of: list[list[int]]) -> None:
+        """Grammar masks for every row of a step with drafts. A sequence's row at depth d gets the
+        mask of its matcher after the first d draft tokens: the matchers walk the drafts depth by
+        depth (one batched fill per depth) and are rolled back after."""
+        con = [(s, rs) for s, rs in zip(seqs, rows_of) if s.matcher is not None]
         if not con:
             return
         live, d = con, 0
         while live:
-            self.constrainer.fill([r0 + d for _, r0 in live], [s.matcher for s, _ in live], logits.shape[0])
-            live = [(s, r0) for s, r0 in live if d < len(s.draft)]
+            self.constrainer.fill([rs[d] for _, rs in live], [s.matcher for s, _ in live], logits.shape[0])
+            live = [(s, rs) for s, rs in live if d < len(s.draft)]
             for s, _ in live:
                 s.matcher.accept_token(s.draft[d])      # legal: the drafter checked it
             d += 1
         for s, _ in con:
             s.matcher.rollback(len(s.draft))
-        self.constrainer.apply(logits, [r0 + d for s, r0 in con for d in range(1 + len(s.draft))])
+        self.constrainer.apply(logits, [r for _, rs in con for r in rs])
 
-    def state_after(self, row: int, slot: int) -> None:
-        """Hybrid models: copy into `slot` the DeltaNet state (every layer's) as it was after `row`
-        of the last decode step with drafts (the layers keep one per depth: fb.saved)."""
-        d, j = self.last.row_depth[row]
+    def state_after(self, rid: str, depth: int, slot: int) -> None:
+        """Hybrid models: copy into `slot` the DeltaNet state (every layer's) of sequence `rid` as it
+        was after its row at `depth` in the last decode step with drafts, below its last depth
+        (the layers keep those: ForwardBatch.saved)."""
+        j = self.last.order_pos[self.last_index[rid]]
         for layer, (convs, recs) in enumerate(self.last.saved):
-            self.state.conv[layer][slot].copy_(convs[d][j])
-            self.state.recurrent[layer][slot].copy_(recs[d][j])
+            self.state.conv[layer][slot].copy_(convs[depth][j])
+            self.state.recurrent[layer][slot].copy_(recs[depth][j])
 
     @staticmethod
     def _keep_logprobs(s, v, top) -> None:

@@ -40,7 +40,7 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
         slots = batch.state_slots
         saved = None
-        if batch.depth_rows is not None:
+        if batch.depth_bounds is not None:
             saved = ([], [])
             batch.saved.append(saved)
             mixed = self._conv_by_depth(mixed, batch, conv, saved[0])
@@ -78,27 +78,32 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(T, self.value_dim))
 
     # A decode step with jump-forward drafts has several rows per sequence, one per position, all
-    # on the sequence's one state slot: they run depth by depth (at each depth one row per
-    # sequence), and the state after every depth is kept in `saved` so that a rejected draft tail
-    # can be undone (runner.state_after). The kept tensors are the gathered copies the update ran
-    # on: nothing writes them afterwards.
+    # on the sequence's one state slot: they run depth by depth. Depth 0 holds every sequence's row,
+    # longest draft first, so the sequences still running at depth d are the first n_d of them: the
+    # states are gathered from the pool once, advanced in place on the prefix [:n_d] at each depth,
+    # and written back once. The state after each depth but the last is kept in `saved` so that a
+    # rejected draft tail can be undone (runner.state_after).
 
     def _conv_by_depth(self, mixed: torch.Tensor, batch: ForwardBatch, conv: torch.Tensor, saved: list) -> torch.Tensor:
+        bounds = batch.depth_bounds
+        slots = batch.state_slots[: bounds[0][1]]
+        st = conv[slots]
         out = torch.empty_like(mixed)
-        for rows in batch.depth_rows:
-            slots = batch.state_slots[rows]
-            st = conv[slots]
-            out[rows] = causal_conv1d_update(mixed[rows], st, self.conv_weight)
-            conv[slots] = st
-            saved.append(st)
+        for d, (s, e) in enumerate(bounds):
+            out[s:e] = causal_conv1d_update(mixed[s:e], st[: e - s], self.conv_weight)
+            if d + 1 < len(bounds):
+                saved.append(st[: bounds[d + 1][1] - bounds[d + 1][0]].clone())
+        conv[slots] = st
         return out
 
     def _rule_by_depth(self, q, k, v, g, beta, batch: ForwardBatch, rec: torch.Tensor, saved: list) -> torch.Tensor:
+        bounds = batch.depth_bounds
+        slots = batch.state_slots[: bounds[0][1]]
+        st = rec[slots]
         o = torch.empty_like(v)
-        for rows in batch.depth_rows:
-            slots = batch.state_slots[rows]
-            st = rec[slots]
-            o[rows] = gated_delta_rule_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], st)
-            rec[slots] = st
-            saved.append(st)
+        for d, (s, e) in enumerate(bounds):
+            o[s:e] = gated_delta_rule_decode(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], st[: e - s])
+            if d + 1 < len(bounds):
+                saved.append(st[: bounds[d + 1][1] - bounds[d + 1][0]].clone())
+        rec[slots] = st
         return o
