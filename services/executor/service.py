@@ -184,5 +184,6 @@ class ExecutorService(Actor):
             return []
         st = self.engine.stats()
         names = ("prompt_tokens_total", "cached_tokens_total", "prefill_tokens_computed_total",
-                 "generated_tokens_total", "requests_total", "running", "waiting")
+                 "generated_tokens_total", "requests_total", "jump_forward_drafted_total", "jump_forward_kept_total",
+                 "running", "waiting")
         return [Sample(name=n if n.endswith("_total") else f"requests_{n}", value=st[n]) for n in names]
