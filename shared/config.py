@@ -41,7 +41,7 @@ class ExecutorConfig:
     checkpoint_interval: int = 0      # hybrid: checkpoint long prefills every this many tokens (0: at chunk boundaries)
     burst_gap_s: float = 0.004        # admission waits while requests keep arriving this close together
     burst_wait_s: float = 0.05        # ... but never longer than this (0 and 0: admit at once)
-    jump_forward: int = 4             # structured output: forced tokens drafted and verified per step (0: off)
+    jump_forward: int = 0             # structured output: draft tokens verified per step (0: off; README)
     disable_radix_cache: bool = False
 
 

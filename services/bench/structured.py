@@ -74,7 +74,7 @@ def _decode(model: str, blob: bytes, batch: int, new_tokens: int) -> dict:
     from radixflow.shared.messages import ExecRequest, SamplingParams
     grammar = make("xgrammar", model).load(zlib.decompress(blob))
     plain = Engine(EngineConfig(model=model, max_running_requests=batch, burst_gap_s=0, jump_forward=0))
-    jumping = Engine(EngineConfig(model=model, max_running_requests=batch, burst_gap_s=0))
+    jumping = Engine(EngineConfig(model=model, max_running_requests=batch, burst_gap_s=0, jump_forward=4))
 
     def run(engine: Engine, constrained: bool) -> tuple[float, float]:
         """tokens/s over the steps in which all rows run, and tokens per such step per row."""

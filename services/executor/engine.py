@@ -50,7 +50,7 @@ class EngineConfig:
     burst_wait_s: float = 0.05
     # structured output: draft the tokens of text the grammar forces and verify them in the next
     # decode step (jump.py); at most this many per step, 0: off
-    jump_forward: int = 4
+    jump_forward: int = 0
 
 
 class Engine:
