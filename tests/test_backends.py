@@ -10,6 +10,7 @@ import re
 import shutil
 import time
 
+import llguidance as llg
 import pytest
 import torch
 from jsonschema import Draft202012Validator
@@ -18,7 +19,8 @@ from radixflow.services.executor.constrain import Constrainer
 from radixflow.services.grammar.backends import make_all
 from radixflow.services.grammar.backends.base import CHECKED, FULL
 from radixflow.services.grammar.compiler import AUTO_MAX_SCHEMA_BYTES, Compiler
-from radixflow.services.grammar.keys import canonicalize, grammar_key
+from radixflow.services.grammar.cost import AUTO_MAX_PREDICTED_S, xgrammar_compile_s
+from radixflow.services.grammar.keys import LLGUIDANCE_JSON_OPTIONS, canonicalize, grammar_key
 from radixflow.services.tokenizer.tokenizer import Tokenizer
 from radixflow.shared.errors import BadRequest
 from . import stacks
@@ -246,13 +248,55 @@ async def test_auto_picks_llguidance_where_xgrammar_falls_short(compiler):
 
 
 async def test_auto_keeps_the_lints_refusals(compiler):
-    """What lint.prepare refuses outright stays a 400 under auto, though llguidance would compile it."""
+    """What lint.prepare refuses outright (invalid, unsatisfiable) stays a 400 under auto, though
+    llguidance would compile it; what the lint only cannot rewrite for xgrammar (merge.Unsupported)
+    goes to llguidance, checked."""
     dynamic = {"$dynamicAnchor": "node", "type": "object", "properties": {"c": {"$dynamicRef": "#node"}}}
-    assert (await compiler.compile("json_schema", json.dumps(dynamic), backend="llguidance")).enforcement == CHECKED
     with pytest.raises(BadRequest, match="'\\$dynamicRef'"):
-        await compiler.compile("json_schema", json.dumps(dynamic))
+        await compiler.compile("json_schema", json.dumps(dynamic), backend="xgrammar")
+    r = await compiler.compile("json_schema", json.dumps(dynamic))
+    assert (r.backend, r.enforcement) == ("llguidance", CHECKED)
     with pytest.raises(BadRequest, match="invalid JSON Schema"):
         await compiler.compile("json_schema", json.dumps({"type": "string", "minLength": -1}))
+    never = {"type": "object", "properties": {"a": {"type": "string", "minLength": 5, "maxLength": 2}},
+             "required": ["a"]}
+    with pytest.raises(BadRequest, match="the JSON Schema is unsatisfiable"):      # the lint's reason
+        await compiler.compile("json_schema", json.dumps(never))
+
+
+async def test_llguidance_compiles_what_it_refused_widened(compiler):
+    """Patterns llguidance cannot read (lookarounds, \\A \\Z) and patternProperties it cannot prove
+    disjoint: it compiles the schema widened there (lint.widen_for_llguidance), checked, where it
+    refused the schema as sent."""
+    parts = {"name": {"type": "string", "pattern": "^(?!aws:)[a-z]+$", "maxLength": 8},
+             "line": {"type": "string", "pattern": "\\A[^\\n]*\\Z"},
+             "tags": {"type": "object", "patternProperties": {"^": {"type": "string"}, "^x-": {"type": "string"}}}}
+    for name, sub in parts.items():
+        schema = {"type": "object", "properties": {name: sub}, "required": [name]}
+        text = json.dumps(schema)
+        grammar = llg.LLMatcher.grammar_from_json_schema(text, overrides=LLGUIDANCE_JSON_OPTIONS)
+        assert llg.LLMatcher.validate_grammar_with_warnings(grammar)[0], name     # refused as sent
+        r = await compiler.compile("json_schema", text, backend="llguidance")
+        assert (r.backend, r.enforcement) == ("llguidance", CHECKED), name
+
+
+def test_cost_model_grows_with_the_grammar_its_regexes_and_the_vocabulary():
+    plain, patterned = "root ::= " + "x" * 5000, "root ::= " + 'Regex("a+") ' * 8
+    assert xgrammar_compile_s(plain, 8192) < AUTO_MAX_PREDICTED_S
+    assert xgrammar_compile_s(plain, 248320) > xgrammar_compile_s(plain, 8192)
+    assert xgrammar_compile_s(patterned, 8192) > AUTO_MAX_PREDICTED_S > xgrammar_compile_s(patterned[:40], 8192)
+
+
+async def test_auto_skips_xgrammar_when_the_cost_model_expects_it_slow(compiler):
+    """Many patterns: the worker refuses auto's xgrammar try before compiling (no budget waited
+    for), so auto answers with llguidance at once; explicitly, xgrammar compiles it in full."""
+    props = {f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{i + 1}}}$"} for i in range(8)}
+    schema = json.dumps({"type": "object", "properties": props, "required": list(props),
+                         "additionalProperties": False})
+    t0 = time.perf_counter()
+    r = await compiler.compile("json_schema", schema)
+    assert r.backend == "llguidance" and time.perf_counter() - t0 < compiler.auto_budget_s
+    assert (await compiler.compile("json_schema", schema, backend="xgrammar")).enforcement == FULL
 
 
 async def test_auto_budget_falls_back_without_killing(models):
@@ -266,6 +310,7 @@ async def test_auto_budget_falls_back_without_killing(models):
         t0 = time.perf_counter()
         r = await c.compile("json_schema", hostile)
         assert r.backend == "llguidance" and time.perf_counter() - t0 < 3
+        assert r.compile_s >= c.auto_budget_s      # what auto cost: the xgrammar try's budget included
         assert c.timeouts == 0 and c.workers_alive == 2
         t1 = time.perf_counter()
         again = await c.compile("json_schema", hostile)
@@ -327,3 +372,24 @@ async def test_stack_serves_both_engines_in_one_batch(models):
     finally:
         await stacks.stop(st)
 
+
+
+@pytest.mark.parametrize("V", [4096, 1000, 33])
+def test_bitmask_apply_equals_xgrammars_kernel(V):
+    """constrain.apply_bitmask (a faster CPU path) against xgrammar's own kernel: words all clear,
+    all set and mixed, a vocabulary that is not a multiple of 32, and only some rows masked."""
+    import xgrammar as xgr
+    from radixflow.services.executor.constrain import apply_bitmask
+    g = torch.Generator().manual_seed(V)
+    W = (V + 31) // 32
+    bm = torch.randint(-2**31, 2**31 - 1, (6, W), dtype=torch.int32, generator=g)
+    bm[0] = 0
+    bm[1] = -1
+    bm[2, : W // 2] = 0
+    bm[3, ::3] = -1
+    logits = torch.randn(6, V, generator=g)
+    for rows in ([0, 1, 2, 3, 4, 5], [1, 3, 4], [2]):
+        want, got = logits.clone(), logits.clone()
+        xgr.apply_token_bitmask_inplace(want, bm, indices=rows, vocab_size=V)
+        apply_bitmask(got, bm, rows)
+        assert torch.equal(got, want), rows

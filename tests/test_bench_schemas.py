@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from radixflow.services.bench.schemas import SAMPLE_OUTCOMES, SchemasBenchConfig, bench_schemas, refusal_reason
+from radixflow.services.bench.schemas import (SAMPLE_OUTCOMES, SchemasBenchConfig, bench_schemas, format_table,
+                                              refusal_reason, summarize)
 
 SCHEMAS = {
     "simple": {"type": "object", "properties": {"ok": {"type": "boolean"},
@@ -35,10 +36,28 @@ async def test_bench_schemas_counts_add_up(models, tmp_path):
     simple = recs["t__simple"]
     assert simple["status"] == "accepted" and simple["probe_s"] > 0
     assert [x["outcome"] for x in simple["samples"]] == ["valid", "valid"]
-    assert s["compile_s"][simple["backend"]]["n"] >= 1
+    # the grammar service's own compile time, next to the probe's wall time (which includes it)
+    assert 0 < simple["compile_s"] <= simple["probe_s"]
+    assert s["compile_s"][simple["backend"]]["n"] >= 1 and s["probe_s"][simple["backend"]]["n"] >= 1
+    assert all(r["compile_s"] is not None for r in recs.values() if r["status"] == "accepted")
+    assert 0 < out["probes_wall_s"] <= out["wall_s"]
     broken = recs["t__broken"]
     assert broken["status"] == "refused" and broken["reason"] == "invalid schema", broken
     json.dumps(out)       # what --json writes
+
+
+def test_summary_and_table_show_both_compile_figures():
+    recs = [{"name": "a", "status": "accepted", "backend": "xgrammar", "probe_s": 0.2, "compile_s": 0.1, "samples": [],
+             "reason": None},
+            {"name": "b", "status": "accepted", "backend": "xgrammar", "probe_s": 0.05, "compile_s": 0.0, "samples": [],
+             "reason": None},
+            {"name": "c", "status": "refused", "backend": None, "probe_s": 0.01, "compile_s": None, "samples": [],
+             "reason": "invalid schema"}]
+    s = summarize(recs)
+    assert s["compile_s"]["xgrammar"] == {"n": 2, "p50": 0.0, "p99": 0.1, "max": 0.1, "cache_hits": 1}
+    assert s["probe_s"]["xgrammar"]["max"] == 0.2
+    table = format_table(s)
+    assert "compile" in table and "probe" in table and "xgrammar" in table
 
 
 def test_refusal_reasons_are_short_buckets():

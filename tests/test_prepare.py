@@ -12,7 +12,7 @@ from jsonschema import Draft202012Validator
 
 from radixflow.services.grammar.compiler import _VALIDATED_WARNINGS, Compiler
 from radixflow.services.grammar.keys import JSON_OPTIONS, canonicalize, grammar_key
-from radixflow.services.grammar.lint import check_schema, prepare
+from radixflow.services.grammar.lint import check_schema, prepare, widen_for_llguidance
 from radixflow.services.grammar.tokenizer_info import make_tokenizer_info
 from radixflow.shared.errors import BadRequest
 from .structured.walk import Walker
@@ -53,6 +53,47 @@ def test_lookarounds_leave_the_rest_of_the_pattern():
     assert prepare({"type": "string", "pattern": "^(?=.*[0-9])(?!x)[a-z0-9]{8}$"})[0]["pattern"] == "^[a-z0-9]{8}$"
     # a quantified lookaround is not simply removable: the pattern goes
     assert "pattern" not in prepare({"type": "string", "pattern": "^a(?=b)?c$"})[0]
+
+
+def test_a_minimum_beyond_what_is_declared_is_written_out(info):
+    """xgrammar's strict mode closes an array (object) that declares no items (additionalProperties)
+    and then refuses a minItems (minProperties) beyond what it declares: absent means anything, and
+    the prepared schema says so (the same meaning: full); xgrammar compiles it."""
+    schema = {"type": "object", "properties": {"a": {"type": "array", "minItems": 1},
+                                               "o": {"type": "object", "minProperties": 1}}, "required": ["a", "o"]}
+    prepared, level = prepare(schema)
+    assert prepared["properties"]["a"]["items"] == {} and prepared["properties"]["o"]["additionalProperties"] == {}
+    assert level == "full"
+    xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False).compile_json_schema(json.dumps(prepared),
+                                                                                      **JSON_OPTIONS)
+    # closed by the schema itself, with its patternProperties dropped (checked): opened, checked
+    closed = {"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": False,
+              "minProperties": 1}
+    prepared, level = prepare(closed)
+    assert prepared["additionalProperties"] == {} and level == "checked"
+
+
+def test_widen_for_llguidance_only_widens_patterns_and_bounds():
+    schema = {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "^(?!aws:)[a-z]+$", "maxLength": 8},
+        "b": {"type": "string", "pattern": "\\A[^\\n]*\\Z"},
+        "c": {"type": "string", "pattern": "[\\b]x\\\\b"},                # a backspace, a literal backslash-b
+        "d": {"type": "string", "pattern": "^a(?=b)?c$"},                 # quantified: the pattern goes
+        "e": {"enum": [{"pattern": "(?!x)"}]},                             # a value, not a schema
+        "f": {"type": "object", "patternProperties": {"^(?!:).+": {"type": "integer"}}}}}
+    wide = widen_for_llguidance(schema)
+    props = wide["properties"]
+    assert props["a"] == {"type": "string", "pattern": "^[a-z]+$"}
+    assert props["b"]["pattern"] == "[^\\n]*" and props["c"]["pattern"] == "[\\b]x\\\\b"
+    assert "pattern" not in props["d"] and props["e"] == schema["properties"]["e"]
+    assert props["f"]["patternProperties"] == {"^.+": {"type": "integer"}}
+    several = {"type": "object", "patternProperties": {"^": {}, "^x-": {}}}
+    assert "patternProperties" not in widen_for_llguidance(several)
+    assert widen_for_llguidance({"type": "string", "pattern": "^[a-z]+$"}) is None       # nothing to widen
+    # every instance of the original validates against the widened copy
+    v = Draft202012Validator(wide)
+    for doc in ({"a": "abc"}, {"b": "line"}, {"d": "ac"}, {"f": {"k": 1}}):
+        assert Draft202012Validator(schema).is_valid(doc) and v.is_valid(doc), doc
 
 
 # ---------------------------------------------------------------- the acceptance check's schemas

@@ -69,3 +69,17 @@ async def test_native_meta_info_names_the_backend(srv):
         body = await r.json()
     g = body["meta_info"]["grammar"]
     assert g["backend"] in ("xgrammar", "llguidance") and g["enforcement"] == "full" and g["resamples"] == 0
+
+
+async def test_grammar_compile_time_travels_to_the_response(srv):
+    """The grammar service's own compile seconds: in meta_info and a header, 0 on a cache hit."""
+    schema = json.dumps(dict(PLAIN, title="compile time"))     # a key no other test compiled
+    got = []
+    for _ in range(2):
+        async with srv.http.post(srv.base + "/generate", json={
+                "text": "JSON:", "sampling_params": {"max_new_tokens": 64, "json_schema": schema}}) as r:
+            body = await r.json()
+            got.append((body["meta_info"]["grammar"]["compile_s"], float(r.headers["x-radixflow-grammar-compile-ms"])))
+    (first_s, first_ms), (hit_s, hit_ms) = got
+    assert first_s > 0 and abs(first_ms - first_s * 1000) < 0.1
+    assert hit_s == 0 and hit_ms == 0

@@ -178,7 +178,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
             print("bench schemas needs a DIR of *.json schemas", file=sys.stderr)
             return 2
         run_schemas(model, a.dir, a.backend, a.json, SchemasBenchConfig(
-            max_tokens=a.max_tokens or 2048, samples=a.samples, concurrency=a.concurrency, limit=a.limit))
+            max_tokens=a.max_tokens or 2048, samples=a.samples, concurrency=a.concurrency,
+            probe_concurrency=a.probe_concurrency, limit=a.limit))
         return 0
     elif a.which == "shared-prefix":
         from radixflow.services.bench.shared_prefix import run_shared_prefix
@@ -234,8 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=40, help="shared-prefix, program: number of requests (children)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="program, schemas: max_tokens of each JSON answer (default 64, schemas 2048)")
-    p.add_argument("--samples", type=int, default=1, help="schemas: answers per schema (seeds 0, 1, ...)")
-    p.add_argument("--concurrency", type=int, default=4, help="schemas: schemas in flight")
+    p.add_argument("--concurrency", type=int, default=4, help="schemas: schemas sampling at once (after the probes)")
+    p.add_argument("--probe-concurrency", type=int, default=1,
+                   help="schemas: schemas compiling at once in the probe phase (1: each compile timed alone)")
+    p.add_argument("--samples", type=int, default=1, help="schemas: answers per schema (seeds 0, 1, ...; 0: probes only)")
     p.add_argument("--limit", type=int, default=0, help="schemas: only N files, spread over the sorted names")
     p.add_argument("--backend", default="auto", help="schemas: grammar backend (auto: the server's choice)")
     p.add_argument("--json", default=None, help="schemas: write the per-schema results to this file")

@@ -50,18 +50,21 @@ class Result:
     input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     grammar_backend: str = ""          # structured output: which engine, and whether part is only checked
     enforcement: str = ""
+    grammar_compile_s: float = 0.0     # the grammar service's own compile time (0 on a cache hit)
     resamples: int = 0                 # outputs discarded for failing the check (all choices)
 
     def accepted(self, acc: Accepted) -> None:
         self.prompt_tokens, self.grammar_backend, self.enforcement = acc.prompt_tokens, acc.grammar_backend, \
             acc.enforcement
+        self.grammar_compile_s = acc.grammar_compile_s
 
     def headers(self) -> dict[str, str]:
         """What a structured-output response tells about its guarantee, as response headers."""
         if not self.grammar_backend:
             return {}
         return {"x-radixflow-grammar-backend": self.grammar_backend,
-                "x-radixflow-grammar-enforcement": self.enforcement, "x-radixflow-resamples": str(self.resamples)}
+                "x-radixflow-grammar-enforcement": self.enforcement, "x-radixflow-resamples": str(self.resamples),
+                "x-radixflow-grammar-compile-ms": f"{self.grammar_compile_s * 1000:.1f}"}
 
     def add(self, item: StreamChunk) -> Choice:
         while len(self.choices) <= item.index:

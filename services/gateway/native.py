@@ -166,7 +166,8 @@ def native_body(r: Result, c: Choice, opts: dict, texts: dict[int, str], latency
         "prompt_tokens": r.prompt_tokens, "completion_tokens": len(c.output_ids), "cached_tokens": r.cached_tokens,
         "e2e_latency": round(latency, 6)}
     if r.grammar_backend:
-        meta["grammar"] = {"backend": r.grammar_backend, "enforcement": r.enforcement, "resamples": r.resamples}
+        meta["grammar"] = {"backend": r.grammar_backend, "enforcement": r.enforcement, "resamples": r.resamples,
+                           "compile_s": round(r.grammar_compile_s, 6)}
     if opts["logprob"]:
         # As SGLang: the entry at logprob_start_len has no logprob (None), whatever the start (the
         # executor computes it when the start is past 0; it is dropped to answer as SGLang does).

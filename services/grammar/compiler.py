@@ -6,7 +6,9 @@
       in flight for this key? await that compile      (single flight: one compile per key)
       prepare (xgrammar, json_schema: normalize, relax; lint.prepare) -> idle worker -> compile
       in its process with the chosen engine (backends/), killed at the deadline
-      -> reject output xgrammar warned it cannot enforce -> cache (engine, enforcement)
+      (llguidance refused a JSON schema's regex? once more with it widened: checked)
+      -> what xgrammar warned it cannot enforce: checked (JSON schema) or refused (other kinds)
+      -> cache (engine, enforcement)
 
 A stuck compile holds one worker; the others keep serving. A killed worker is replaced in the
 background (a fresh process needs ~3 s to import the engines and build their tokenizer state).
@@ -18,7 +20,7 @@ import json
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 
@@ -30,21 +32,27 @@ from .histogram import Histogram
 from .backends.base import CHECKED, FULL
 from .keys import BACKENDS, Canonical, canonicalize, grammar_key
 from . import drafts
-from .lint import bounded_formats, prepare
+from .lint import bounded_formats, prepare, widen_for_llguidance
+from .merge import Unsupported
 from .tokenizer_info import tokenizer_identity
-from .worker import CompileTimeout, Worker, WorkerDied
+from .worker import CompileTimeout, Result, Worker, WorkerDied
 
 BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0)
 REFUSED_TTL_S = 600.0
 REFUSED_MAX = 1024
 _WHAT = {"json_schema": "the JSON schema", "json_object": "json_object", "regex": "the regex",
          "ebnf": "the EBNF grammar", "choice": "the choice list"}
-# Weakenings xgrammar announces that lint.needs_validation already flags (the output is validated);
-# any other warning means part of the constraint would silently not hold: the request is refused.
+# Weakenings xgrammar announces that lint.needs_validation already flags (the output is validated).
+# Any other warning means part of the constraint would not hold: a JSON schema's output is then
+# checked (validated and resampled); a regex, EBNF or choice, which nothing checks, is refused.
 _VALIDATED_WARNINGS = ("oneOf with overlapping", "pattern combined with minLength/maxLength",
                        "format combined with minLength/maxLength")
 # auto: JSON schemas longer than this go to llguidance first (see Compiler._auto)
 AUTO_MAX_SCHEMA_BYTES = 32 << 10
+# auto: an xgrammar job still running this long after a worker took it leaves the request to
+# llguidance. Half the 1 s compile target: what the cost model (cost.py) wrongly lets through then
+# costs the request this, the lint and an llguidance compile (milliseconds), still under 1 s.
+AUTO_BUDGET_S = 0.5
 _log = log.get("grammar")
 
 
@@ -53,15 +61,16 @@ class _OverBudget(BadRequest):
 
 
 class _SchemaRefused(BadRequest):
-    """lint.prepare refused the schema itself (invalid, unsatisfiable, references we do not follow):
-    final for auto too, whichever engine could have compiled the rest."""
+    """The schema itself is refused (invalid under its draft, unsatisfiable, too deep): final for
+    auto too, whichever engine could have compiled the rest. What the lint only cannot rewrite for
+    xgrammar (merge.Unsupported) is not final: auto tries llguidance."""
 
 
 @dataclass(frozen=True)
 class Compiled:
     key: str
     size: int            # bytes of the uncompressed serialization
-    compile_s: float     # 0 on a cache hit
+    compile_s: float     # 0 on a cache hit; under auto, every engine it tried
     cache_hit: bool
     enforcement: str = "full"   # "checked": the output must be validated (lint.prepare, or the engine's report)
     backend: str = "xgrammar"   # the engine that compiled it (its executor side masks the logits)
@@ -70,7 +79,7 @@ class Compiled:
 class Compiler:
     def __init__(self, model_dir: str | Path, *, deadline_s: float = 10.0, cache_bytes: int = 256 << 20,
                  workers: int = 2, max_blob_bytes: int | None = None, max_threads: int = 2,
-                 startup_timeout_s: float = 120.0, backend: str = "auto", auto_budget_s: float = 1.0):
+                 startup_timeout_s: float = 120.0, backend: str = "auto", auto_budget_s: float = AUTO_BUDGET_S):
         if backend not in (*BACKENDS, "auto"):
             raise ValueError(f"unknown grammar backend {backend!r}; one of {', '.join(BACKENDS)}, auto")
         self.model_dir = str(model_dir)
@@ -188,42 +197,74 @@ class Compiler:
 
     async def _auto(self, canon: Canonical) -> Compiled:
         """The `auto` rule: xgrammar when it enforces the whole constraint within the budget (the
-        lint finds nothing it must leave to the output check, it prints no warning, its grammar
-        is under AUTO_MAX_EBNF and the job takes under auto_budget_s); otherwise llguidance when
-        that enforces all of it; otherwise whichever compiles, xgrammar first (llguidance first for a
-        length-bounded format or pattern, which only it enforces). A schema the lint
-        refuses outright (lint.prepare's 400s) is refused, not handed to llguidance. Schemas over
-        AUTO_MAX_SCHEMA_BYTES (generated API schemas: many $refs, which blow up xgrammar's blob)
-        go to llguidance first, and to xgrammar only when llguidance refuses them. A hit on
+        lint finds nothing it must leave to the output check, it prints no warning, the cost model
+        (cost.py) expects the compile within the budget and the job takes under auto_budget_s);
+        otherwise llguidance when that enforces all of it; otherwise whichever compiles, xgrammar
+        first (llguidance first for a length-bounded format or pattern, which only it enforces). A
+        schema the lint refuses outright (invalid, unsatisfiable) is refused, not handed to
+        llguidance; one the lint only cannot rewrite for xgrammar (merge.Unsupported: $dynamicRef,
+        a reference outside the schema) goes to llguidance. Schemas over AUTO_MAX_SCHEMA_BYTES
+        (generated API schemas: many $refs, which blow up xgrammar's blob) go to llguidance first,
+        and to xgrammar only when llguidance refuses them. When llguidance refuses a schema that
+        xgrammar only compiles slowly, xgrammar gets it after all, up to the deadline. A hit on
         either engine's entry costs a hash and a lookup each (microseconds)."""
+        t0 = time.perf_counter()
         large = canon.kind == "json_schema" and len(canon.text) > AUTO_MAX_SCHEMA_BYTES
         order = ("llguidance", "xgrammar") if large else ("xgrammar", "llguidance")
         first = first_error = None
+
+        def spent(r: Compiled) -> Compiled:
+            # what auto cost this request is every try, an xgrammar try that ran out of budget
+            # included, not only the compile of the engine it returns; 0 when it only found hits
+            if r.cache_hit and first_error is None and (first is None or first.cache_hit):
+                return r
+            return replace(r, compile_s=time.perf_counter() - t0)
+
         try:
             first = await self._compile(canon, order[0], budgeted=order[0] == "xgrammar")
             if first.enforcement == FULL or large:
-                return first
+                return spent(first)
         except _SchemaRefused:
             raise
         except BadRequest as e:
             first_error = e
+        # the first try got past the schema's validity check (or found it cached, or refused for
+        # what comes after the check): the second need not run it again (the slow part of a lint)
         try:
-            second = await self._compile(canon, order[1], budgeted=order[1] == "xgrammar")
+            second = await self._compile(canon, order[1], budgeted=order[1] == "xgrammar", checked=True)
         except BadRequest as e:
             if first is not None:
-                return first
-            # both refused: the first engine's reason, unless it only ran out of budget
-            raise (e if isinstance(first_error, _OverBudget) else first_error) from None
+                return spent(first)
+            xgrammar_error = first_error if order[0] == "xgrammar" else e
+            if isinstance(xgrammar_error, _OverBudget):
+                # llguidance refuses what xgrammar only compiles slowly: better slow than refused
+                return spent(await self._xgrammar_to_deadline(canon))
+            # both refused: the first engine's reason
+            raise first_error from None
         if first is None or second.enforcement == FULL:
-            return second
+            return spent(second)
         # both leave something to the output check. xgrammar gets the normalized schema and so
         # enforces more, except for a length bound beside a format or pattern: xgrammar drops the
         # bound (a string a random-ish model may never end), llguidance intersects the two
         if second.backend == "llguidance" and canon.kind == "json_schema" and bounded_formats(json.loads(canon.text)):
-            return second
-        return first
+            return spent(second)
+        return spent(first)
 
-    async def _compile(self, canon: Canonical, backend: str, budgeted: bool = False) -> Compiled:
+    async def _xgrammar_to_deadline(self, canon: Canonical) -> Compiled:
+        """xgrammar without the auto budget: the auto try still running for this schema when there
+        is one (it goes on to the deadline), else a compile of its own (the cost model refused the
+        auto try before it started)."""
+        key = grammar_key(canon, self.identity, "xgrammar")
+        running = self._inflight.get(key + "/auto")
+        if running is not None:
+            try:
+                entry = await asyncio.shield(running)
+                return Compiled(key, entry.raw_size, entry.compile_s, False, entry.enforcement, "xgrammar")
+            except _OverBudget:
+                pass
+        return await self._compile(canon, "xgrammar", checked=True)
+
+    async def _compile(self, canon: Canonical, backend: str, budgeted: bool = False, checked: bool = False) -> Compiled:
         key = grammar_key(canon, self.identity, backend)
         entry = self.cache.get(key)
         if entry is not None:
@@ -240,7 +281,7 @@ class Compiler:
         if fut is None:
             started = self._started[job] = asyncio.Event()
             fut = self._inflight[job] = asyncio.ensure_future(self._compile_miss(canon, key, backend, budgeted,
-                                                                                 started))
+                                                                                 started, checked))
             fut.add_done_callback(lambda f: self._settled(job, f))
         else:
             self.coalesced += 1
@@ -283,7 +324,7 @@ class Compiler:
         return self.cache.peek(key)
 
     async def _compile_miss(self, canon: Canonical, key: str, backend: str, budgeted: bool,
-                            started: asyncio.Event) -> CacheEntry:
+                            started: asyncio.Event, checked: bool = False) -> CacheEntry:
         # compile_s is what the miss cost the request (lint, waiting for a worker, compile, serialize,
         # compress), which is what the histogram should show; the engine's own share is logged
         t0 = time.perf_counter()
@@ -294,31 +335,36 @@ class Compiler:
             # compiles the prepared one. llguidance takes the schema as sent: it reports itself what
             # it ignores (backends/llguidance.py)
             try:
-                prepared, enforcement = await loop.run_in_executor(self._threads, prepare, canon.value)
+                prepared, enforcement = await loop.run_in_executor(self._threads, prepare, canon.value, checked)
+            except Unsupported:
+                raise                    # xgrammar's refusal only: auto tries llguidance
             except BadRequest as e:
                 raise _SchemaRefused(e.message, param=e.param) from None
             text = json.dumps(prepared, separators=(",", ":"), ensure_ascii=False)
-        elif canon.kind == "json_schema":
-            await loop.run_in_executor(self._threads, drafts.check, canon.value)
-        worker = await self._idle.get()
-        started.set()
-        self.compiles += 1
-        try:
-            result = await loop.run_in_executor(self._threads, worker.run, backend, canon.kind, text,
-                                                self.max_blob_bytes, self.deadline_s, budgeted)
-        except CompileTimeout:
-            self.timeouts += 1
-            self._replace(worker)
-            _log.warning("grammar compile hit the deadline; worker replaced", kind=canon.kind, key=key[:16],
-                         backend=backend, deadline_s=self.deadline_s)
-            raise BadRequest(f"compiling this grammar took longer than {self.deadline_s:g}s; simplify it "
-                             "(deep nesting, large ranges, long alternations)", param="response_format") from None
-        except WorkerDied as e:
-            self.failures += 1
-            self._replace(worker)
-            _log.error("grammar worker died while compiling", kind=canon.kind, key=key[:16], error=str(e))
-            raise RadixflowError(f"the grammar compiler crashed on {_WHAT[canon.kind]}: {e}") from None
-        self._idle.put_nowait(worker)
+        elif canon.kind == "json_schema" and not checked:
+            try:
+                await loop.run_in_executor(self._threads, drafts.check, canon.value)
+            except BadRequest as e:      # invalid: final for auto's xgrammar try too
+                raise _SchemaRefused(e.message, param=e.param) from None
+        started_once = False
+
+        async def run(job_text: str) -> Result:
+            nonlocal started_once
+            worker = await self._idle.get()
+            if not started_once:
+                started.set()
+                started_once = True
+            return await self._run(worker, canon.kind, key, backend, job_text, budgeted)
+
+        result = await run(text)
+        if result[0] == "error" and backend == "llguidance" and canon.kind == "json_schema":
+            # llguidance refuses some regexes (lookarounds, \A, \b) and gives up intersecting a
+            # pattern with a long length bound: the schema widened there, and the output checked
+            wider = await loop.run_in_executor(self._threads, widen_for_llguidance, canon.value)
+            if wider is not None:
+                retry = await run(json.dumps(wider, separators=(",", ":"), ensure_ascii=False))
+                if retry[0] == "ok":
+                    result, enforcement = retry, CHECKED
         status, warnings = result[0], result[-1]
         if status == "over_budget":
             raise _OverBudget(f"{backend} would exceed the auto budget: {result[1]}", param="response_format")
@@ -330,10 +376,16 @@ class Compiler:
         if backend == "xgrammar":
             allowed = _VALIDATED_WARNINGS if canon.kind == "json_schema" else ()
             unenforced = [w for w in warnings if not any(a in w for a in allowed)]
-            if unenforced:
+            if unenforced and canon.kind != "json_schema":
                 self.failures += 1
                 raise BadRequest(f"{_WHAT[canon.kind]} cannot be enforced exactly: {unenforced[0]}",
                                  param="response_format")
+            if unenforced:
+                # what xgrammar ignores beyond what the lint foresaw (an anchor mid-pattern, an escape
+                # it reads literally): the finished output is validated against the schema as sent
+                # and resampled, as for any checked construct
+                enforcement = CHECKED
+                notes = [*notes, *unenforced]
         if engine_enforcement == CHECKED:
             enforcement = CHECKED
         compile_s = time.perf_counter() - t0
@@ -344,6 +396,27 @@ class Compiler:
         entry = CacheEntry(blob, raw_size, compile_s, backend, enforcement)
         self.cache.put(key, entry)
         return entry
+
+    async def _run(self, worker: Worker, kind: str, key: str, backend: str, text: str, budgeted: bool) -> Result:
+        """One job on `worker` (taken from the idle queue; put back unless it died)."""
+        self.compiles += 1
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(
+                self._threads, worker.run, backend, kind, text, self.max_blob_bytes, self.deadline_s, budgeted)
+        except CompileTimeout:
+            self.timeouts += 1
+            self._replace(worker)
+            _log.warning("grammar compile hit the deadline; worker replaced", kind=kind, key=key[:16],
+                         backend=backend, deadline_s=self.deadline_s)
+            raise BadRequest(f"compiling this grammar took longer than {self.deadline_s:g}s; simplify it "
+                             "(deep nesting, large ranges, long alternations)", param="response_format") from None
+        except WorkerDied as e:
+            self.failures += 1
+            self._replace(worker)
+            _log.error("grammar worker died while compiling", kind=kind, key=key[:16], error=str(e))
+            raise RadixflowError(f"the grammar compiler crashed on {_WHAT[kind]}: {e}") from None
+        self._idle.put_nowait(worker)
+        return result
 
     def stats(self) -> dict:
         return {**self.cache.stats(), "compiles": self.compiles, "failures": self.failures, "refused": len(self._refused),

@@ -48,9 +48,10 @@ def check(schema: dict) -> type:
     return cls
 
 
-def to_2020(schema: dict) -> dict:
-    """`schema` as Draft 2020-12; a 400 when it is invalid under its own declared draft."""
-    if check(schema) is Draft202012Validator:
+def to_2020(schema: dict, checked: bool = False) -> dict:
+    """`schema` as Draft 2020-12; a 400 when it is invalid under its own declared draft (unless
+    `checked`: the caller already ran check on it)."""
+    if (declared(schema) if checked else check(schema)) is Draft202012Validator:
         return schema
     out = _upgrade(schema, root=True, depth=0)
     out["$schema"] = DRAFT_2020

@@ -12,7 +12,7 @@ no grammar enforces.
 | `type` (all seven, and lists such as `["string","null"]`) | enforced |
 | `enum`, `const` | enforced (values are written in compact JSON; values failing the keywords beside them are dropped) |
 | `minLength`, `maxLength` (code points) | enforced |
-| `pattern` | enforced; lookaround `(?=` `(?!` `(?<=` `(?<!`: checked (the grammar gets the pattern without them); backreferences, `\\b`, `\\p{..}` are compile errors and `^`/`$` mid-pattern is refused (400) |
+| `pattern` | enforced; lookaround `(?=` `(?!` `(?<=` `(?<!`: checked (the grammar gets the pattern without them); backreferences, `\\b`, `\\p{..}` are compile errors; what xgrammar warns it ignores (`^`/`$` mid-pattern, an escape it reads literally): checked |
 | `format`: date, time, date-time, duration, email, hostname, ipv4, ipv6, uri, uri-reference, uri-template, json-pointer, relative-json-pointer, uuid | approximate (xgrammar's regexes, e.g. 2024-02-30 passes): checked |
 | `format`: regex, iri, iri-reference, idn-email, idn-hostname | checked (not enforced at all) |
 | `format`: any other (custom) value | annotation only, as Draft 2020-12 defines |
@@ -33,7 +33,7 @@ no grammar enforces.
 | `if`/`then`/`else` | enforced when `if` only tests properties (rewritten to `anyOf`); else checked (ignored) |
 | `not` | beside an `enum` (also from `if`/`then`/`else`): enforced (the values are removed); else checked (ignored) |
 | `$ref` to `#`, `#/...` or `#anchor` (recursion included), `$defs`, `definitions`, keywords beside `$ref` | enforced |
-| `$ref` to anything else (remote, relative to `$id`), `$dynamicRef`, `$recursiveRef`, `$id` below the root | rejected (400) |
+| `$ref` to anything else (remote, relative to `$id`), `$dynamicRef`, `$recursiveRef`, `$id` below the root | rejected (400, merge.Unsupported: `auto` hands the schema to llguidance, checked) |
 | type-specific keywords (e.g. `maxLength`, `minimum`, `required`, `maxItems`) without `type` | the type their keywords name is added (narrowing); beneath `not`/`if`/`contains`/`oneOf`: checked |
 | an unsatisfiable schema (e.g. allOf parts with no type in common, minimum > maximum, disjoint enums) | rejected (400, naming the path) |
 | `title`, `description`, `default`, `examples`, `deprecated`, `readOnly`, `writeOnly`, `$comment`, `$schema`, `$anchor`, `content*`, `x-*`, any unknown keyword | annotations (dropped) |
@@ -48,8 +48,11 @@ types its keywords name.
 
 Beyond xgrammar: its length-bounded strings admit raw control characters (invalid JSON); the
 compile worker patches that class (see backends/xgrammar.py). Any other warning xgrammar
-prints while compiling turns the request into a 400 (compiler._VALIDATED_WARNINGS lists the
-three that needs_validation covers).
+prints while compiling makes the request "checked" (compiler._VALIDATED_WARNINGS lists the
+three that needs_validation foresees); for a regex or EBNF, which nothing validates, a 400.
+In strict mode xgrammar refuses an array (object) without `items` (`additionalProperties`) whose
+minItems (minProperties) asks for more than it declares: absent means anything, which the
+prepared schema then writes out.
 
 "checked": the grammar enforces everything else (the construct is removed from the schema it
 compiles, which only widens it), `prepare` reports the enforcement level "checked", and the
@@ -63,9 +66,9 @@ from collections.abc import Iterator
 from typing import Any
 
 
-from radixflow.shared.errors import BadRequest
 
 from .drafts import to_2020
+from .merge import Unsupported
 from .normalize import child_path, normalize, subschemas
 
 CONTAINERS = frozenset({"$defs", "definitions"})   # hold schemas, assert nothing themselves
@@ -132,6 +135,92 @@ def _without_lookarounds(pattern: str) -> str | None:
     return wider
 
 
+def _without_assertions(pattern: str) -> str:
+    """`pattern` minus the zero-width escapes \\A \\Z \\z \\b \\B \\G outside character classes
+    (where \\b is a backspace): like a lookaround, each only restricts a match."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            if in_class or pattern[i + 1:i + 2] not in tuple("AZzbBG"):
+                out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if ch == "[" and not in_class:
+            in_class = True
+        elif ch == "]" and in_class:
+            in_class = False
+        out.append(ch)
+        i += 1
+    return "".join(out)
+
+
+_ASSERTION = re.compile(r"\\[AZzbBG]")
+_LL_DATA = frozenset({"enum", "const", "default", "examples"})   # values, not schemas: left alone
+
+
+def _ll_refuses(pattern: str) -> bool:
+    return bool(_LOOKAROUND.search(pattern) or _ASSERTION.search(pattern))
+
+
+def widen_for_llguidance(schema: Any) -> Any | None:
+    """A copy of `schema` for llguidance where it refused `schema` itself, or None when nothing
+    here would change it. Its regexes have no lookaround or zero-width escape (\\A, \\b, ...), so
+    patterns and patternProperties keys lose them (or go, where that is not simple); it wants
+    patternProperties provably disjoint, so several go; and it gives up intersecting a pattern
+    with a long length bound ("Unable to determine if regex is empty"), so length bounds beside a
+    pattern or format go. Each change widens the schema, except that the keys of a dropped
+    patternProperties entry under a closed object are no longer written at all: either way the
+    output is validated against `schema` itself (the compiler marks it checked). Everything below
+    a keyword is visited, older drafts' keywords included: a "pattern" that is not one (say, inside
+    an extension keyword) only changes a copy that no validator reads."""
+    changed = False
+
+    def widen(node: Any) -> Any:
+        nonlocal changed
+        if isinstance(node, list):
+            return [widen(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: (v if k in _LL_DATA else widen(v)) for k, v in node.items()}
+        pattern = out.get("pattern")
+        if isinstance(pattern, str) and _ll_refuses(pattern):
+            wider = _without_lookarounds(_without_assertions(pattern))
+            if wider is None:
+                del out["pattern"]
+            else:
+                out["pattern"] = wider
+            changed = True
+        props = out.get("patternProperties")
+        if isinstance(props, dict) and len(props) > 1:
+            # llguidance wants the key patterns provably disjoint ("^" and "^x-" are not): they go,
+            # and their keys fall to additionalProperties as below
+            del out["patternProperties"]
+            changed = True
+        elif isinstance(props, dict) and any(_ll_refuses(p) for p in props):
+            # a key pattern that cannot be widened goes: its keys fall to additionalProperties
+            # (allowed with any value, or not at all: both fine, the output is validated)
+            wider_props: dict[str, Any] = {}
+            for p, sub in props.items():
+                wider = _without_lookarounds(_without_assertions(p)) if _ll_refuses(p) else p
+                if wider is not None:
+                    wider_props.setdefault(wider, sub)
+            out["patternProperties"] = wider_props
+            changed = True
+        if isinstance(out.get("pattern"), str) or isinstance(out.get("format"), str):
+            for bound in ("minLength", "maxLength"):
+                if bound in out:
+                    del out[bound]
+                    changed = True
+        return out
+
+    try:
+        wider = widen(schema)
+    except RecursionError:     # deeper than anything drafts.check lets through; nothing to offer
+        return None
+    return wider if changed else None
+
+
 def _walk(schema: Any) -> Iterator[tuple[dict, str, set[str]]]:
     """Every schema object in `schema` with its JSON path and the types it may take; iterative, so
     deep schemas cannot blow the stack. Children are read after the caller had the node."""
@@ -152,8 +241,8 @@ def _types(node: dict) -> set[str]:
     return {t} if isinstance(t, str) else set(t) if isinstance(t, list) else set()
 
 
-def _reject(name: str, path: str, why: str) -> BadRequest:
-    return BadRequest(f"unsupported JSON Schema construct '{name}' at {path}: {why}", param="response_format")
+def _reject(name: str, path: str, why: str) -> Unsupported:
+    return Unsupported(f"unsupported JSON Schema construct '{name}' at {path}: {why}", param="response_format")
 
 
 def _check_servable(schema: dict) -> None:
@@ -201,16 +290,38 @@ def _relax(schema: dict) -> bool:
             if any(n not in declared for n in node["required"]):
                 node["required"] = [n for n in node["required"] if n in declared]
                 relaxed = True
+        relaxed |= _open_for_minimum(node)
     return relaxed
 
 
-def prepare(schema: dict) -> tuple[dict, str]:
+def _open_for_minimum(node: dict) -> bool:
+    """xgrammar's strict mode closes an object (array) that declares no additionalProperties
+    (items), and then refuses one that must hold more than it declares (minProperties, minItems
+    over what properties, prefixItems give: "minItems is greater than the number of prefixItems,
+    but additional items are not allowed"). Absent means "anything" in JSON Schema: it is written
+    out. A closed object whose patternProperties were dropped above is opened too (widening: the
+    output is checked). True when that widened the schema."""
+    widened = False
+    min_items = node.get("minItems")
+    if isinstance(min_items, int) and min_items > len(node.get("prefixItems", [])) and "items" not in node \
+            and "unevaluatedItems" not in node:
+        node["items"] = {}
+    min_props = node.get("minProperties")
+    if isinstance(min_props, int) and min_props > len(node.get("properties", {})) \
+            and node.get("additionalProperties", False) is False and "unevaluatedProperties" not in node:
+        widened = "additionalProperties" in node
+        node["additionalProperties"] = {}
+    return widened
+
+
+def prepare(schema: dict, checked: bool = False) -> tuple[dict, str]:
     """(the schema to compile, the enforcement level). The schema is `schema` normalized, then
     relaxed where no grammar enforces it (so it only widens there); the level is "full" when the
     grammar enforces all of the normalized schema, and "checked" when the finished output must be
     validated against `schema` (and resampled when it fails). BadRequest (400) for a schema that
-    can never be served (see the table above)."""
-    schema = to_2020(schema)          # a Draft 4 / 6 / 7 / 2019-09 schema, as 2020-12 (drafts.py)
+    can never be served (see the table above); merge.Unsupported (a 400 too) for one that only
+    xgrammar cannot be given. `checked`: drafts.check already passed, skip it (the slow part)."""
+    schema = to_2020(schema, checked)   # a Draft 4 / 6 / 7 / 2019-09 schema, as 2020-12 (drafts.py)
     _check_servable(schema)
     prepared = normalize(schema)
     relaxed = _relax(prepared)

@@ -44,6 +44,14 @@ NEGATIVE = frozenset({"not", "if", "contains", "oneOf"})   # narrowing beneath t
 _IDENT = re.compile(r"[A-Za-z_$][\w$-]*")
 
 
+class Unsupported(BadRequest):
+    """A schema this normalizer cannot rewrite for xgrammar ($dynamicRef, a reference outside the
+    schema, an $id below the root, too many subschemas once expanded), though it may be valid and
+    satisfiable: a 400 for xgrammar, while llguidance, which reads such schemas itself, may serve it
+    (the output is validated against the schema as sent). Invalid and unsatisfiable schemas are
+    plain BadRequests: no engine serves them."""
+
+
 class Unsatisfiable(Exception):
     def __init__(self, path: str, why: str):
         super().__init__(f"{path}: {why}")
@@ -142,7 +150,7 @@ def _strip(node: dict) -> dict:
     """The keywords that assert something, const read as a one-value enum and draft-7
     `dependencies` as dependentRequired/dependentSchemas."""
     if "$dynamicRef" in node or "$recursiveRef" in node:
-        raise BadRequest("$dynamicRef and $recursiveRef are not supported", param="response_format")
+        raise Unsupported("$dynamicRef and $recursiveRef are not supported", param="response_format")
     out = {k: v for k, v in node.items() if k in KEYWORDS}
     deps = node.get("dependencies")
     if isinstance(deps, dict):

@@ -53,7 +53,7 @@ from radixflow.shared.errors import BadRequest
 
 # the algebra (merge.py) is this module's own: its private helpers are shared on purpose
 from .merge import (ALL_KINDS, FAMILY_KINDS, KEY_FAMILY, MAX_CONDITIONALS, MAX_DEPTH, MAX_INLINE, MAX_NODES, NEGATIVE,
-                    SUBSCHEMA_ONE, UNEVALUATED, Unsatisfiable, _applicators, _check_bounds, _declare_required,
+                    SUBSCHEMA_ONE, UNEVALUATED, Unsatisfiable, Unsupported, _applicators, _check_bounds, _declare_required,
                     _disjoint, _key, _kinds, _localize, _merge, _split_dependent, _split_if, _strip, _tidy_items,
                     _type_json, _valid, child_path, subschemas)
 
@@ -124,7 +124,7 @@ class _Normalizer:
             return unquote(ref[1:])
         if ref.startswith("#") and ref[1:] in self.anchors:
             return self.anchors[ref[1:]]
-        raise BadRequest(f"unsupported JSON Schema construct '$ref' at {path}: only references within the schema "
+        raise Unsupported(f"unsupported JSON Schema construct '$ref' at {path}: only references within the schema "
                          f"('#', '#/...', '#anchor') are supported, got {ref!r}", param="response_format")
 
     def _deref(self, pointer: str, ref: str, path: str) -> tuple[Any, str]:
@@ -166,7 +166,7 @@ class _Normalizer:
                              param="response_format")
         self.nodes += 1
         if self.nodes > MAX_NODES:
-            raise BadRequest(f"the JSON Schema expands to over {MAX_NODES} subschemas once its allOf, $ref and "
+            raise Unsupported(f"the JSON Schema expands to over {MAX_NODES} subschemas once its allOf, $ref and "
                              "if/then/else are resolved; simplify it", param="response_format")
         if node is True:
             return {}

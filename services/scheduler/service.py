@@ -136,7 +136,7 @@ class SchedulerService(Actor):
         check_constraint(c)
         compiled = await self.bus.request(subjects.GRAMMAR_COMPILE, GrammarCompile(kind=c.kind, spec=c.spec),
                                           GrammarCompiled, timeout=60)
-        return compiled.key, OutputCheck(c, compiled.backend, compiled.enforcement)
+        return compiled.key, OutputCheck(c, compiled.backend, compiled.enforcement, compiled.compile_s)
 
     def check_room(self, n: int = 1) -> None:
         if len(self.table) + n > self.cfg.max_queued_requests:
@@ -175,7 +175,8 @@ class SchedulerService(Actor):
         finally:
             self.tenants.release(ticket)   # the submission's hold; its tracked entries hold it from here on
         return Accepted(rid=req.rid, prompt_tokens=len(ids), executor=ex.instance, scheduler=self.instance,
-                        grammar_backend=check.backend if check else "", enforcement=check.enforcement if check else "")
+                        grammar_backend=check.backend if check else "", enforcement=check.enforcement if check else "",
+                        grammar_compile_s=check.compile_s if check else 0.0)
 
     async def _fan_out(self, ex: ExecutorState, req: GenerateRequest, exec_req: ExecRequest,
                        check: OutputCheck | None, deadline: float, ticket: Ticket) -> None:

@@ -28,10 +28,11 @@ def check_constraint(c: Constraint) -> None:
 
 
 class OutputCheck:
-    def __init__(self, c: Constraint, backend: str = "", enforcement: str = "full"):
+    def __init__(self, c: Constraint, backend: str = "", enforcement: str = "full", compile_s: float = 0.0):
         self.kind = c.kind
         self.backend = backend            # the grammar engine that enforces the rest
         self.enforcement = enforcement    # checked: only this check enforces some constructs
+        self.compile_s = compile_s        # the grammar service's compile time, reported in Accepted
         self.validator = None
         self.choices: list[str] = json.loads(c.spec) if c.kind == "choice" else []
         if c.kind == "json_schema":

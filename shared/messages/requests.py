@@ -81,6 +81,7 @@ class Accepted(Msg):
     scheduler: str                    # the scheduler instance that owns the request's lifecycle
     grammar_backend: str = ""         # structured output: the engine that compiled its grammar
     enforcement: str = ""             # ... full, or checked (validated after, resampled; the stream is held)
+    grammar_compile_s: float = 0.0    # ... seconds the grammar service spent compiling it (0: a cache hit)
 
 
 class AbortRequest(Msg):

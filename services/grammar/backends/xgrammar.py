@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import xgrammar as xgr
 
+from ..cost import AUTO_MAX_PREDICTED_S, xgrammar_compile_s
 from ..keys import JSON_OBJECT_SCHEMA, JSON_OPTIONS
 from ..tokenizer_info import make_tokenizer_info
 from .base import FULL, Backend, Compiled, Grammar, Matcher, OverBudget
-
-# A budgeted (auto) JSON schema compile is refused early when its printed grammar is longer than
-# this: by the measurements above, ~5 MB of blob and ~1 s of serializing, the auto budget.
-AUTO_MAX_EBNF = 32_000
 
 
 def ebnf_literal(s: str) -> str:
@@ -130,9 +128,14 @@ class XGrammarBackend(Backend):
         if self._compiler is None:
             self._compiler = xgr.GrammarCompiler(self.info, max_threads=self.max_threads, cache_enabled=False)
         if kind == "json_schema" and budgeted:
+            # refused before compiling when the cost model (cost.py) expects it over the budget,
+            # counting the time the schema took to print (seconds for some patterns): the compile
+            # would go on after the request took llguidance, holding this worker to no use
+            t0 = time.perf_counter()
             grammar = json_schema_grammar(text)
-            if len(str(grammar)) > AUTO_MAX_EBNF:
-                raise OverBudget(f"the printed grammar is over {AUTO_MAX_EBNF} characters")
+            predicted = time.perf_counter() - t0 + xgrammar_compile_s(str(grammar), self.info.vocab_size)
+            if predicted > AUTO_MAX_PREDICTED_S:
+                raise OverBudget(f"the compile is predicted to take {predicted:.2f}s")
             compiled = self._compiler.compile_grammar(grammar)
         else:
             compiled = compile_text(self._compiler, kind, text)
