@@ -42,7 +42,7 @@ class ForwardBatch:
     # of depth 0's rows (longest draft first)
     depth_bounds: list[tuple[int, int]] | None = None
     rows_of: list[list[int]] | None = None         # plan sequence -> its rows, by depth
-    order_pos: dict[int, int] | None = None        # plan sequence -> its place in that order
+    order_pos: dict[str, int] | None = None        # request id -> its sequence's place in that order
     saved: list = field(default_factory=list)      # per DeltaNet layer: ([conv state after depth d], [recurrent ...])
 
     @property

@@ -76,7 +76,6 @@ class ModelRunner:
         self.state = StatePool(self.spec, self.plan, self.device) if self.spec.is_hybrid else None
         self.constrainer = Constrainer(self.spec.vocab_size, max_rows=64)
         self.last: ForwardBatch | None = None   # the last step's batch (state_after reads its saved states)
-        self.last_index: dict[str, int] = {}    # the last step: each sequence's index in its plan
         self.drafted = 0     # jump-forward draft tokens computed ...
         self.kept = 0        # ... and kept
 
@@ -194,7 +193,7 @@ class ModelRunner:
         if depths > 1:
             fb.depth_bounds = bounds
             fb.rows_of = rows_of
-            fb.order_pos = {i: j for j, i in enumerate(order)}
+            fb.order_pos = {seqs[i].rid: j for j, i in enumerate(order)}
         # groups are found among sequences, as without drafts, then take in all rows of their members
         groups = shared_prefixes([s.pages for s in seqs], [s.computed_len for s in seqs], ps, dev, singles=True)
         fb.groups = [SharedPrefix(seqs=[r for i in g.seqs for r in rows_of[i]], slots=g.slots, start=g.start)
@@ -228,7 +227,6 @@ class ModelRunner:
                     seq.state_ready = True
         fb, want, lp = self.build(plan)
         self.last = fb
-        self.last_index = {s.rid: i for i, s in enumerate(plan.seqs)}
         logits = self.model(fb, self.kv, self.state)
         if lp:
             self._prompt_logprobs(plan, logits[len(want):], lp)
@@ -294,7 +292,7 @@ class ModelRunner:
         """Hybrid models: copy into `slot` the DeltaNet state (every layer's) of sequence `rid` as it
         was after its row at `depth` in the last decode step with drafts, below its last depth
         (the layers keep those: ForwardBatch.saved)."""
-        j = self.last.order_pos[self.last_index[rid]]
+        j = self.last.order_pos[rid]
         for layer, (convs, recs) in enumerate(self.last.saved):
             self.state.conv[layer][slot].copy_(convs[depth][j])
             self.state.recurrent[layer][slot].copy_(recs[depth][j])
