@@ -138,3 +138,48 @@ def test_the_draft_is_the_forced_text_as_the_tokenizer_writes_it(models):
     # never more than the request may still generate (one token is the verified step's own)
     seq.sampling = SamplingParams(max_new_tokens=seq.num_output + 2)
     assert len(d.draft(seq)) == 1
+
+
+def test_draft_rows_are_sampled_over_their_allowed_tokens_only(models):
+    """runner._sample_allowed: a draft row's token comes from logits computed for the tokens its
+    mask allows, and must be what the full head, masked, gives: the same argmax for greedy rows,
+    the same distribution for sampled ones. Rows allowing more than MAX_ALLOWED tokens are left
+    to the full head."""
+    import torch
+    from radixflow.services.executor import runner as runner_mod
+    from radixflow.services.executor.sequence import Sequence
+    runner = made(models["tiny-dense"])[3].runner
+    V, H = runner.spec.vocab_size, runner.spec.hidden_size
+    allowed = [[5, 17, 900], [3], list(range(0, V, 3))[: runner_mod.MAX_ALLOWED + 1], [100, 101, 4095], [7, V - 1]]
+    bits = torch.zeros(len(allowed), V, dtype=torch.bool)
+    for r, ids in enumerate(allowed):
+        bits[r, ids] = True
+
+    def write(rows: int, pattern: list[int]):
+        runner.constrainer.fill([], [], rows)                       # grows the bitmask to `rows` rows
+        bm = runner.constrainer.bitmask
+        words = torch.zeros(rows, bm.shape[1] * 32, dtype=torch.int64)
+        words[:, :V] = bits[pattern].to(torch.int64)
+        packed = (words.view(rows, -1, 32) << torch.arange(32)).sum(-1)
+        bm[:rows] = torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(len(allowed), H, generator=gen) * 3
+    write(len(allowed), list(range(len(allowed))))
+    greedy = Sequence(rid="g", tokens=[1], sampling=SamplingParams(temperature=0.0), eos_ids=frozenset())
+    tokens = [None] * len(allowed)
+    done = runner._sample_allowed(hidden, list(range(len(allowed))), [greedy] * len(allowed), tokens)
+    assert done == {0, 1, 3, 4}
+    full = runner.model.lm_head(hidden).float().masked_fill(~bits, float("-inf"))
+    for r in done:
+        assert tokens[r] == int(full[r].argmax()) and tokens[r] in allowed[r]
+
+    # sampled: 4,000 draws of row 0 at temperature 1 follow the masked softmax over its 3 tokens
+    n = 4000
+    write(n, [0] * n)
+    warm = Sequence(rid="t", tokens=[1], sampling=SamplingParams(temperature=1.0), eos_ids=frozenset())
+    tokens = [None] * n
+    runner._sample_allowed(hidden[[0] * n], list(range(n)), [warm] * n, tokens)
+    want = torch.softmax(full[0], -1)[allowed[0]]
+    got = torch.tensor([tokens.count(t) / n for t in allowed[0]])
+    assert (got - want).abs().max() < 0.03, (got, want)

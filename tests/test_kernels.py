@@ -13,10 +13,11 @@ import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from radixflow.kernels.attention import decode_attention, prefill_attention, write_kv
-from radixflow.kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
+from radixflow.kernels.causal_conv1d import causal_conv1d, causal_conv1d_update, causal_conv1d_update_depths
 from radixflow.kernels.gated_delta_rule import (
     chunk_gated_delta_rule,
     gated_delta_rule_decode,
+    gated_delta_rule_decode_depths,
     recurrent_gated_delta_rule,
 )
 
@@ -306,3 +307,50 @@ def test_write_kv_and_low_precision_pool():
     kf, vf = k_cache[slots].float(), v_cache[slots].float()
     ref = dense_attention(q.float(), kf, vf, torch.tensor([1, 2]), D**-0.5)
     close(o.float(), ref, atol=1e-2, rtol=1e-2)  # only the final bf16 rounding differs
+
+
+# ------------------------------------------------------------ jump-forward steps: rows by depth
+
+# counts[d]: how many sequences (the first ones) have a row at depth d; rows are depth-major
+DEPTHS = [[3], [3, 3, 3], [4, 2, 1], [5, 5, 2, 2, 1]]
+
+
+@pytest.mark.parametrize("counts", DEPTHS)
+def test_gdr_decode_depths_equals_depth_by_depth(counts):
+    T, N = sum(counts), counts[0]
+    q, k, v, g, beta, _ = gdr_inputs(1, T, 2, 4, 32, 48, seed=11)
+    q, k, v, g, beta = q[0], k[0], v[0], g[0], beta[0]
+    h0 = torch.randn(N, 4, 32, 48)
+    ref_state, ref_o, ref_saved, s = h0.clone(), [], [], 0
+    for d, n in enumerate(counts):
+        ref_o.append(gated_delta_rule_decode(q[s:s + n], k[s:s + n], v[s:s + n], g[s:s + n], beta[s:s + n], ref_state[:n]))
+        s += n
+        if d + 1 < len(counts):
+            ref_saved.append(ref_state[: counts[d + 1]].clone())
+    state = h0.clone()
+    o, saved = gated_delta_rule_decode_depths(q, k, v, g, beta, state, counts)
+    close(o, torch.cat(ref_o))
+    close(state, ref_state)
+    assert len(saved) == len(ref_saved)
+    for a, b in zip(saved, ref_saved):
+        close(a, b)
+
+
+@pytest.mark.parametrize("counts", DEPTHS)
+@pytest.mark.parametrize("W", [2, 4])
+def test_conv_update_depths_equals_depth_by_depth(counts, W):
+    T, N, C = sum(counts), counts[0], 6
+    x, weight, h0 = torch.randn(T, C), torch.randn(C, W), torch.randn(N, C, W - 1)
+    ref_state, ref_y, ref_saved, s = h0.clone(), [], [], 0
+    for d, n in enumerate(counts):
+        ref_y.append(causal_conv1d_update(x[s:s + n], ref_state[:n], weight))
+        s += n
+        if d + 1 < len(counts):
+            ref_saved.append(ref_state[: counts[d + 1]].clone())
+    state = h0.clone()
+    y, saved = causal_conv1d_update_depths(x, state, weight, counts)
+    close(y, torch.cat(ref_y))
+    close(state, ref_state)
+    assert len(saved) == len(ref_saved)
+    for a, b in zip(saved, ref_saved):
+        close(a, b)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_conv1d", "causal_conv1d_update"]
+__all__ = ["causal_conv1d", "causal_conv1d_update", "causal_conv1d_update_depths"]
 
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -80,3 +80,44 @@ def causal_conv1d_update(
     y = (window * weight.float()).sum(-1)  # [N, C]
     state.copy_(window[..., 1:])  # shift: drop the oldest input (nothing to keep when W == 1)
     return _activate(y, activation).to(x.dtype)
+
+
+def causal_conv1d_update_depths(
+    x: torch.Tensor,
+    state: torch.Tensor,
+    weight: torch.Tensor,
+    counts: list[int],
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A few consecutive tokens for each of N sequences, rows laid out depth-major (a decode step
+    with jump-forward drafts): depth d's rows are the next counts[d] rows and belong to sequences
+    0 .. counts[d]-1 (counts non-increasing, counts[0] = N). The same as causal_conv1d_update
+    called depth by depth on state[:counts[d]], as one convolution over each sequence's window.
+
+    Args:
+        x: [T, C], T = sum(counts)
+        state: [N, C, W-1], shifted IN PLACE: each sequence ends after its last row
+        weight: [C, W]
+    Returns:
+        y: [T, C] in x's dtype
+        saved: saved[d] = the states of sequences [:counts[d+1]] after depth d, for every depth
+            but the last (views of a new tensor, not of `state`)
+    """
+    N, C, Wm1 = state.shape
+    D, dev = len(counts), x.device
+    # row r (depth-major) is sequence i at depth d: it sits at i * D + d of the [N, D] grid
+    at = torch.tensor([i * D + d for d, n in enumerate(counts) for i in range(n)], device=dev)
+    grid = torch.zeros(N * D, C, dtype=torch.float32, device=dev)
+    grid[at] = x.float()
+    window = torch.cat([state.float(), grid.view(N, D, C).transpose(1, 2)], dim=-1)   # [N, C, W-1+D]
+    y = F.conv1d(window, weight.float().unsqueeze(1), groups=C)                       # [N, C, D]
+    out = _activate(y, activation).transpose(1, 2).reshape(N * D, C)[at].to(x.dtype)
+    saved = [window[: counts[d + 1], :, d + 1: d + 1 + Wm1] for d in range(D - 1)]
+    # sequence i ran L_i = #{d: counts[d] > i} depths: its state is window[i, :, L_i : L_i + W-1]
+    if counts[-1] == N:
+        state.copy_(window[..., D:])
+    else:
+        last = torch.tensor([sum(1 for n in counts if n > i) for i in range(N)], device=dev)
+        idx = (last[:, None] + torch.arange(Wm1, device=dev))[:, None, :].expand(N, C, Wm1)
+        state.copy_(window.gather(-1, idx))
+    return out, saved

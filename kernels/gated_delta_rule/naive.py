@@ -17,9 +17,9 @@ All math runs in fp32; outputs come back in q's dtype and states are fp32.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-__all__ = ["recurrent_gated_delta_rule", "chunk_gated_delta_rule", "gated_delta_rule_decode", "l2norm"]
+__all__ = ["recurrent_gated_delta_rule", "chunk_gated_delta_rule", "gated_delta_rule_decode",
+           "gated_delta_rule_decode_depths", "l2norm"]
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -110,6 +110,44 @@ def gated_delta_rule_decode(
         o = _step(q, k, v.float(), g.float(), beta.float(), work)
         state.copy_(work)
     return o.to(out_dtype)
+
+
+def gated_delta_rule_decode_depths(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    counts: list[int],
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A few consecutive tokens for each of N sequences, rows laid out depth-major (a decode step
+    with jump-forward drafts): depth d's rows are the next counts[d] rows and belong to sequences
+    0 .. counts[d]-1 (counts non-increasing, counts[0] = N). The same as gated_delta_rule_decode
+    called depth by depth on state[:counts[d]], with q/k normalized and heads expanded once.
+
+    Args:
+        q, k: [T, Hk, K];  v: [T, Hv, V];  g, beta: [T, Hv];  T = sum(counts)
+        state: [N, Hv, K, V] fp32, updated IN PLACE: each sequence ends after its last row
+    Returns:
+        o: [T, Hv, V] in q's dtype
+        saved: saved[d] = the states of sequences [:counts[d+1]] after depth d (copies), for
+            every depth but the last: what undoing a rejected draft tail restores
+    """
+    out_dtype = q.dtype
+    group = _group(k.shape[-2], v.shape[-2])
+    q, k = _prepare_qk(q, k, use_qk_l2norm)
+    q, k = _expand_heads(q, group), _expand_heads(k, group)
+    v, g, beta = v.float(), g.float(), beta.float()
+    o = torch.empty_like(v)
+    saved, s = [], 0
+    for d, n in enumerate(counts):
+        o[s:s + n] = _step(q[s:s + n], k[s:s + n], v[s:s + n], g[s:s + n], beta[s:s + n], state[:n])
+        s += n
+        if d + 1 < len(counts):
+            saved.append(state[: counts[d + 1]].clone())
+    return o.to(out_dtype), saved
 
 
 def recurrent_gated_delta_rule(

@@ -43,10 +43,11 @@ class Constrainer:
         for engine, (ms, rs) in by_engine.items():
             engine.fill(ms, self.bitmask, rs)
 
-    def apply(self, logits: torch.Tensor, rows: list[int]) -> None:
-        """-inf, in place, where the filled bitmask rows `rows` forbid a token."""
+    def apply(self, logits: torch.Tensor, rows: list[int], mask_rows: list[int] | None = None) -> None:
+        """-inf, in place, where the filled bitmask rows `rows` (or, for logits row rows[j], bitmask
+        row mask_rows[j]) forbid a token."""
         cpu = logits if logits.device.type == "cpu" else logits.cpu()
-        apply_bitmask(cpu, self.bitmask, rows)
+        apply_bitmask(cpu, self.bitmask, rows, mask_rows)
         if cpu is not logits:
             logits.copy_(cpu)
 
@@ -54,8 +55,9 @@ class Constrainer:
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """logits[r, t] = -inf where bit t of bitmask[r] is clear, for r in rows (CPU, in place); the
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], mask_rows: list[int] | None = None) -> None:
+    """logits[r, t] = -inf where bit t of bitmask[r] is clear, for r in rows (CPU, in place; with
+    mask_rows, row rows[j] reads bitmask row mask_rows[j]); the
     same as xgrammar's apply_token_bitmask_inplace (tests/test_backends.py checks it), faster on
     JSON masks. Those allow few tokens in most states: nearly every 32-token word of a row is 0
     (measured on a schema's masks at Qwen3.5's 248k vocabulary: 99.9%), and xgrammar's CPU kernel
@@ -66,7 +68,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     sel = torch.tensor(rows, dtype=torch.int64)
     every = len(rows) == logits.shape[0] and rows == list(range(len(rows)))
     x = logits if every else logits[sel]
-    bm = bitmask[sel]
+    bm = bitmask[sel if mask_rows is None else torch.tensor(mask_rows, dtype=torch.int64)]
     if full < V:     # the last, partial word: bit by bit
         tail = ((bm[:, full // 32: full // 32 + 1] >> _BITS[: V - full]) & 1) == 0
         x[:, full:].masked_fill_(tail, float("-inf"))
@@ -78,3 +80,14 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     blocks[r, w] = torch.where(allowed, kept, float("-inf"))
     if not every:
         logits[sel] = x
+
+
+def allowed_tokens(bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens that bitmask rows `rows` allow, as (j, token id) pairs, sorted by j then id: j
+    indexes `rows`. Only words with some bit set are unpacked (see apply_bitmask)."""
+    bm = bitmask[torch.tensor(rows, dtype=torch.int64)]
+    r, w = (bm != 0).nonzero(as_tuple=True)
+    k, b = (((bm[r, w].unsqueeze(-1) >> _BITS) & 1) != 0).nonzero(as_tuple=True)
+    row, ids = r[k], w[k].to(torch.int64) * 32 + b
+    live = ids < vocab_size
+    return row[live], ids[live]

@@ -8,7 +8,7 @@ from . import sampler
 from .batcher import Plan
 from radixflow.kernels.attention import SharedPrefix
 
-from .constrain import Constrainer
+from .constrain import Constrainer, allowed_tokens
 from .forward_batch import ForwardBatch
 from .memory import KVPool, MemoryPlan, StatePool
 from .models import CausalLM, ModelSpec, load_model
@@ -27,6 +27,7 @@ def pick_dtype(device: torch.device) -> torch.dtype:
 
 MIN_SHARED_TOKENS = 64   # below this, reading a prefix per sequence costs less than splitting
 MIN_VIEW_TOKENS = 512    # a lone sequence: below this, gathering its keys costs less than splitting
+MAX_ALLOWED = 1024       # a draft row allowing more tokens than this gets the full head (_sample_allowed)
 
 
 def shared_prefixes(tables: list[list[int]], limits: list[int], page_size: int,
@@ -227,6 +228,8 @@ class ModelRunner:
                     seq.state_ready = True
         fb, want, lp = self.build(plan)
         self.last = fb
+        if fb.depth_bounds is not None:       # drafts: _verify decides which rows get full logits
+            return self._verify(fb, [plan.seqs[i] for i in want], self.model(fb, self.kv, self.state, head=False))
         logits = self.model(fb, self.kv, self.state)
         if lp:
             self._prompt_logprobs(plan, logits[len(want):], lp)
@@ -234,31 +237,50 @@ class ModelRunner:
         if not want:
             return {}
         seqs = [plan.seqs[i] for i in want]
-        if fb.depth_bounds is None:
-            matchers = [s.matcher for s in seqs]
-            out = sampler.sample(logits, seqs, mask=lambda x: self.constrainer.mask(x, matchers))
-            for s, v, top in zip(seqs, out.logprobs, out.top):
-                self._keep_logprobs(s, v, top)
-            return {i: [t] for i, t in zip(want, out.tokens)}
-        return self._verify(fb, seqs, logits)
+        matchers = [s.matcher for s in seqs]
+        out = sampler.sample(logits, seqs, mask=lambda x: self.constrainer.mask(x, matchers))
+        for s, v, top in zip(seqs, out.logprobs, out.top):
+            self._keep_logprobs(s, v, top)
+        return {i: [t] for i, t in zip(want, out.tokens)}
 
-    def _verify(self, fb: ForwardBatch, seqs: list, logits: torch.Tensor) -> dict[int, list[int]]:
-        """A decode step with drafts: every row sampled under the grammar as it stands after the
-        draft tokens before it; each sequence keeps its samples up to the first that differs from
-        its draft. Where the tail of a draft is dropped, its recurrent state is put back to the
-        last kept position (the rows' KV beyond it is never read: a later step overwrites it)."""
-        rows = [None] * logits.shape[0]
+    @torch.inference_mode()
+    def _verify(self, fb: ForwardBatch, seqs: list, hidden: torch.Tensor) -> dict[int, list[int]]:
+        """A decode step with drafts (hidden: every row's final hidden state): every row sampled
+        under the grammar as it stands after the draft tokens before it; each sequence keeps its
+        samples up to the first that differs from its draft. Where the tail of a draft is dropped,
+        its recurrent state is put back to the last kept position (the rows' KV beyond it is never
+        read: a later step overwrites it).
+
+        A row that predicts a token inside the forced text (every row of a sequence but its last)
+        is sampled over the few tokens its mask allows, from logits computed for those tokens only:
+        at a 248k vocabulary the full head is most of a tiny model's cost per row, and a draft row
+        would otherwise pay it to choose among a handful of tokens (_sample_allowed)."""
+        n = hidden.shape[0]
+        rows = [None] * n
         for s, rs in zip(seqs, fb.rows_of):
             for r in rs:
                 rows[r] = s
-        out = sampler.sample(logits, rows, mask=lambda x: self._mask_drafts(x, seqs, fb.rows_of))
+        self._fill_drafts(seqs, fb.rows_of, n)
+        forced = [r for s, rs in zip(seqs, fb.rows_of) if s.matcher is not None and self._plain(s.sampling)
+                  for r in rs[:len(s.draft)]]
+        tokens = [0] * n
+        lps, tops = [None] * n, [None] * n
+        done = self._sample_allowed(hidden, forced, rows, tokens) if forced else set()
+        full = [r for r in range(n) if r not in done]
+        if full:
+            logits = self.model.lm_head(hidden[torch.tensor(full, dtype=torch.int64, device=hidden.device)]).float()
+            masked = [j for j, r in enumerate(full) if rows[r].matcher is not None]
+            mask = (lambda x: self.constrainer.apply(x, masked, [full[j] for j in masked])) if masked else None
+            out = sampler.sample(logits, [rows[r] for r in full], mask=mask)
+            for j, r in enumerate(full):
+                tokens[r], lps[r], tops[r] = out.tokens[j], out.logprobs[j], out.top[j]
         new = {}
         for i, (s, rs) in enumerate(zip(seqs, fb.rows_of)):
             kept = []
             for d, r in enumerate(rs):
-                t = out.tokens[r]
+                t = tokens[r]
                 kept.append(t)
-                self._keep_logprobs(s, out.logprobs[r], out.top[r])
+                self._keep_logprobs(s, lps[r], tops[r])
                 if d == len(s.draft) or t != s.draft[d]:
                     break
             if s.draft:
@@ -270,23 +292,61 @@ class ModelRunner:
             s.draft = []
         return new
 
-    def _mask_drafts(self, logits: torch.Tensor, seqs: list, rows_of: list[list[int]]) -> None:
-        """Grammar masks for every row of a step with drafts. A sequence's row at depth d gets the
-        mask of its matcher after the first d draft tokens: the matchers walk the drafts depth by
-        depth (one batched fill per depth) and are rolled back after."""
+    @staticmethod
+    def _plain(p) -> bool:
+        """Sampling that a row's allowed tokens alone decide: no logprobs (they are over the whole
+        vocabulary), no biases or penalties (they would have to be gathered too)."""
+        return not (sampler.wants_logprobs(p) or p.logit_bias or sampler.has_penalties(p))
+
+    def _sample_allowed(self, hidden: torch.Tensor, rows: list[int], seq_of: list, tokens: list[int]) -> set[int]:
+        """Sample each of `rows` over the tokens its filled bitmask row allows: their logits only
+        (a gather of the head's weight rows), padded with -inf into one [R, A] batch for the
+        sampler, then mapped back to token ids into `tokens`. Rows allowing more than
+        MAX_ALLOWED tokens (or none) are left to the full head; returns the rows sampled here."""
+        dev = hidden.device
+        row, ids = allowed_tokens(self.constrainer.bitmask, rows, self.spec.vocab_size)
+        counts = torch.bincount(row, minlength=len(rows))
+        ok = (counts > 0) & (counts <= MAX_ALLOWED)
+        if not bool(ok.any()):
+            return set()
+        if not bool(ok.all()):
+            keep = ok[row]
+            row, ids = row[keep], ids[keep]
+            idx = ok.nonzero()[:, 0]
+            remap = torch.cumsum(ok, 0) - 1
+            row, counts = remap[row], counts[idx]
+            rows = [rows[i] for i in idx.tolist()]
+        start = torch.cumsum(counts, 0) - counts
+        col = torch.arange(len(ids)) - start[row]
+        width = int(counts.max())
+        h = hidden[torch.tensor(rows, dtype=torch.int64, device=dev)]                    # [R, H]
+        ids_d, row_d, col_d = ids.to(dev), row.to(dev), col.to(dev)
+        vals = (self.model.lm_head.weight[ids_d] * h[row_d]).sum(-1).float()
+        logits = torch.full((len(rows), width), float("-inf"), device=dev)
+        logits[row_d, col_d] = vals
+        table = torch.zeros((len(rows), width), dtype=torch.int64, device=dev)
+        table[row_d, col_d] = ids_d
+        out = sampler.sample(logits, [seq_of[r] for r in rows])
+        picked = table.gather(1, torch.tensor(out.tokens, dtype=torch.int64, device=dev)[:, None])[:, 0].tolist()
+        for r, t in zip(rows, picked):
+            tokens[r] = t
+        return set(rows)
+
+    def _fill_drafts(self, seqs: list, rows_of: list[list[int]], num_rows: int) -> None:
+        """Grammar masks for every row of a step with drafts, into the bitmask rows of the same
+        index. A sequence's row at depth d gets the mask of its matcher after the first d draft
+        tokens: the matchers walk the drafts depth by depth (one batched fill per depth) and are
+        rolled back after."""
         con = [(s, rs) for s, rs in zip(seqs, rows_of) if s.matcher is not None]
-        if not con:
-            return
         live, d = con, 0
         while live:
-            self.constrainer.fill([rs[d] for _, rs in live], [s.matcher for s, _ in live], logits.shape[0])
+            self.constrainer.fill([rs[d] for _, rs in live], [s.matcher for s, _ in live], num_rows)
             live = [(s, rs) for s, rs in live if d < len(s.draft)]
             for s, _ in live:
                 s.matcher.accept_token(s.draft[d])      # legal: the drafter checked it
             d += 1
         for s, _ in con:
             s.matcher.rollback(len(s.draft))
-        self.constrainer.apply(logits, [r for _, rs in con for r in rs])
 
     def state_after(self, rid: str, depth: int, slot: int) -> None:
         """Hybrid models: copy into `slot` the DeltaNet state (every layer's) of sequence `rid` as it

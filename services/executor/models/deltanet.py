@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixflow.kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
-from radixflow.kernels.gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_decode
+from radixflow.kernels.causal_conv1d import causal_conv1d, causal_conv1d_update, causal_conv1d_update_depths
+from radixflow.kernels.gated_delta_rule import (chunk_gated_delta_rule, gated_delta_rule_decode,
+                                                gated_delta_rule_decode_depths)
 
 from ..forward_batch import ForwardBatch
 from .layers import GatedRMSNorm
@@ -79,31 +80,25 @@ class GatedDeltaNet(nn.Module):
 
     # A decode step with jump-forward drafts has several rows per sequence, one per position, all
     # on the sequence's one state slot: they run depth by depth. Depth 0 holds every sequence's row,
-    # longest draft first, so the sequences still running at depth d are the first n_d of them: the
-    # states are gathered from the pool once, advanced in place on the prefix [:n_d] at each depth,
-    # and written back once. The state after each depth but the last is kept in `saved` so that a
-    # rejected draft tail can be undone (runner.state_after).
+    # longest draft first, so the sequences still running at depth d are the first n_d of them (the
+    # kernels' `counts`): the states are gathered from the pool once and written back once. The
+    # state after each depth but the last is kept in `saved` so that a rejected draft tail can be
+    # undone (runner.state_after).
 
     def _conv_by_depth(self, mixed: torch.Tensor, batch: ForwardBatch, conv: torch.Tensor, saved: list) -> torch.Tensor:
-        bounds = batch.depth_bounds
-        slots = batch.state_slots[: bounds[0][1]]
+        counts = [e - s for s, e in batch.depth_bounds]
+        slots = batch.state_slots[: counts[0]]
         st = conv[slots]
-        out = torch.empty_like(mixed)
-        for d, (s, e) in enumerate(bounds):
-            out[s:e] = causal_conv1d_update(mixed[s:e], st[: e - s], self.conv_weight)
-            if d + 1 < len(bounds):
-                saved.append(st[: bounds[d + 1][1] - bounds[d + 1][0]].clone())
+        out, kept = causal_conv1d_update_depths(mixed, st, self.conv_weight, counts)
+        saved.extend(kept)
         conv[slots] = st
         return out
 
     def _rule_by_depth(self, q, k, v, g, beta, batch: ForwardBatch, rec: torch.Tensor, saved: list) -> torch.Tensor:
-        bounds = batch.depth_bounds
-        slots = batch.state_slots[: bounds[0][1]]
+        counts = [e - s for s, e in batch.depth_bounds]
+        slots = batch.state_slots[: counts[0]]
         st = rec[slots]
-        o = torch.empty_like(v)
-        for d, (s, e) in enumerate(bounds):
-            o[s:e] = gated_delta_rule_decode(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], st[: e - s])
-            if d + 1 < len(bounds):
-                saved.append(st[: bounds[d + 1][1] - bounds[d + 1][0]].clone())
+        o, kept = gated_delta_rule_decode_depths(q, k, v, g, beta, st, counts)
+        saved.extend(kept)
         rec[slots] = st
         return o

@@ -44,8 +44,10 @@ class CausalLM(nn.Module):
                            for i, t in enumerate(spec.layer_types)]
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: "KVPool", state: "StatePool | None") -> torch.Tensor:
-        """Run one step; returns logits [M, V] for batch.logits_rows (fp32)."""
+    def forward(self, batch: ForwardBatch, kv: "KVPool", state: "StatePool | None", head: bool = True) -> torch.Tensor:
+        """Run one step; returns logits [M, V] for batch.logits_rows (fp32), or with head=False their
+        final hidden states [M, hidden] (the caller then picks which rows, or which tokens, get logits:
+        runner._verify)."""
         x = self.embed(batch.input_ids)                                     # [T, hidden]
         for layer, j in zip(self.layers, self._mem_index):
             if layer.kind == "full_attention":
@@ -53,4 +55,4 @@ class CausalLM(nn.Module):
             else:
                 x = layer(x, batch, state.recurrent[j], state.conv[j])
         x = self.norm(x[batch.logits_rows])
-        return self.lm_head(x).float()
+        return self.lm_head(x).float() if head else x
