@@ -16,7 +16,7 @@ import torch
 from jsonschema import Draft202012Validator
 
 from radixflow.services.executor.constrain import Constrainer
-from radixflow.services.grammar.backends import make_all
+from radixflow.services.grammar.backends import make, make_all
 from radixflow.services.grammar.backends.base import CHECKED, FULL
 from radixflow.services.grammar.compiler import AUTO_MAX_SCHEMA_BYTES, Compiler
 from radixflow.services.grammar.cost import AUTO_MAX_PREDICTED_S, xgrammar_compile_s
@@ -393,3 +393,24 @@ def test_bitmask_apply_equals_xgrammars_kernel(V):
         xgr.apply_token_bitmask_inplace(want, bm, indices=rows, vocab_size=V)
         apply_bitmask(got, bm, rows)
         assert torch.equal(got, want), rows
+
+
+async def test_schema_past_llguidances_node_limit_is_served_normalized(compiler):
+    """llguidance expands a schema into at most 50,000 nodes ("schema too large"); a CI config's
+    tasks (an anyOf of hundreds of tasks, each naming itself by a pattern that the common `task`
+    property's anyOf of names must meet) pass it, and xgrammar's compile of the same is over the
+    deadline. Normalized, the same schema fits llguidance: served, not refused."""
+    names = [f"Tool{i}@{v}" for i in range(130) for v in (1, 2)]
+    task = {"type": "object", "additionalProperties": False,
+            "properties": {"task": {"anyOf": [{"enum": [n], "description": f"the {n} task"} for n in names]},
+                           "inputs": {"type": "object"}},
+            "anyOf": [{"properties": {"task": {"pattern": f"^{n}$"}}, "required": ["task"]} for n in names]}
+    schema = {"type": "object", "properties": {"steps": {"type": "array", "items": {"type": "object", "$ref": "#/$defs/task"},
+                                                         "maxItems": 2}},
+              "required": ["steps"], "$defs": {"task": task}}
+    text = json.dumps(schema)
+    assert len(text) > AUTO_MAX_SCHEMA_BYTES
+    with pytest.raises(ValueError, match="schema too large"):                 # as sent
+        make("llguidance", compiler.model_dir).compile("json_schema", text)
+    r = await compiler.compile("json_schema", text)
+    assert r.backend == "llguidance"

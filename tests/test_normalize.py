@@ -225,6 +225,12 @@ EXACT = [
                                                                  "b": S}},
      [{"b": "x"}, {}], [{"a": 1}, {"a": "x"}]),
     ("bounds_conflict_drops_type", {"type": ["string", "null"], "minLength": 3, "maxLength": 2}, [None], ["abc", ""]),
+    ("enum_only_branches_join", {"type": "object", "properties": {
+        "tool": {"pattern": "^[a-z]+@2$", "anyOf": [{"enum": ["ps@2", "ps@1"], "description": "d"}, {"const": "sh@2"},
+                                                   {"enum": [1, "cmd@2"]}]},
+        "one": {"oneOf": [{"enum": ["a", "b"]}, {"const": "b"}, {"enum": ["c"], "title": "t"}]}}},
+     [{"tool": "ps@2"}, {"tool": "sh@2"}, {"tool": 1}, {"one": "a"}, {"one": "c"}],
+     [{"tool": "ps@1"}, {"tool": "x@2"}, {"one": "b"}, {"one": "d"}]),
     ("recursive_ref_with_sibling", {"type": "object", "properties": {"v": {"type": "integer"},
                                                                      "next": {"$ref": "#", "maxProperties": 1}}},
      [{"v": 1, "next": {"next": {"v": 2}}}], [{"v": 1, "next": {"v": 1, "next": {}}}, {"next": {"next": {"v": "x"}}}]),
@@ -310,6 +316,32 @@ for _i in range(120):
                   [S, {"type": "integer"}, {"type": "boolean"}, {"enum": [f"v{k}" for k in range(8)]},
                    {"type": "array", "items": S, "maxItems": 2}][j % 5]) for j in range(12)}}
 LARGE = {"$ref": "#/definitions/D0", "definitions": _defs}
+
+
+def test_repeated_merge_is_one_shared_entry():
+    """A $ref with siblings (or an allOf) met again is the same schema: its second use refers to a
+    $defs entry holding the first's result instead of expanding it again, and enum-only branches
+    are one enum, not a branch each: a CI config's step ({"type": "object", "$ref": task}, task an
+    anyOf of hundreds of tasks each naming itself by a pattern that the common `task` property's
+    anyOf of names must meet) normalizes into a few thousand nodes, not hundreds of thousands."""
+    names = [f"Tool{i}@{v}" for i in range(150) for v in (1, 2)]
+    task = {"type": "object", "additionalProperties": False,
+            "properties": {"task": {"anyOf": [{"enum": [n], "description": f"the {n} task"} for n in names]},
+                           "inputs": {"type": "object"}, "name": S},
+            "anyOf": [{"properties": {"task": {"pattern": f"^{n}$"}, "inputs": {"properties": {"x": S}}},
+                       "required": ["task"]} for n in names]}
+    schema = {"type": "object", "properties": {
+        "steps": {"type": "array", "items": {"type": "object", "$ref": "#/definitions/task"}},
+        "post": {"type": "array", "items": {"type": "object", "$ref": "#/definitions/task"}}},
+              "definitions": {"task": task}}
+    out = normalize(schema)
+    ref = out["properties"]["post"]["items"]["$ref"]
+    assert out["$defs"][ref.rsplit("/", 1)[1]] is out["properties"]["steps"]["items"]
+    assert len(json.dumps(out)) < 20 * len(json.dumps(schema))
+    valid = [{"steps": [{"task": "Tool3@2", "inputs": {"x": "a"}}], "post": [{"task": "Tool9@1"}]}]
+    invalid = [{"steps": [{"task": "Tool3@3"}]}, {"post": [{"task": "Tool3@2", "inputs": {"x": 1}}]},
+               {"steps": [{"name": "no task"}]}]
+    assert_same_meaning(schema, out, valid, invalid)
 
 
 def test_large_schema_of_many_definitions():

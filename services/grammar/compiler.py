@@ -34,6 +34,7 @@ from .keys import BACKENDS, Canonical, canonicalize, grammar_key
 from . import drafts
 from .lint import bounded_formats, prepare, widen_for_llguidance
 from .merge import Unsupported
+from .normalize import normalize
 from .tokenizer_info import tokenizer_identity
 from .worker import CompileTimeout, Result, Worker, WorkerDied
 
@@ -49,6 +50,7 @@ _VALIDATED_WARNINGS = ("oneOf with overlapping", "pattern combined with minLengt
                        "format combined with minLength/maxLength")
 # auto: JSON schemas longer than this go to llguidance first (see Compiler._auto)
 AUTO_MAX_SCHEMA_BYTES = 32 << 10
+TOO_LARGE = "schema too large"     # llguidance's refusal of a schema past its node limit
 # auto: an xgrammar job still running this long after a worker took it leaves the request to
 # llguidance. Half the 1 s compile target: what the cost model (cost.py) wrongly lets through then
 # costs the request this, the lint and an llguidance compile (milliseconds), still under 1 s.
@@ -357,6 +359,16 @@ class Compiler:
             return await self._run(worker, canon.kind, key, backend, job_text, budgeted)
 
         result = await run(text)
+        if result[0] == "error" and backend == "llguidance" and canon.kind == "json_schema" and TOO_LARGE in result[1]:
+            # llguidance expands a schema into at most 50,000 nodes, and a sibling distributed into a
+            # large anyOf at every use (a CI config's hundreds of tasks) passes that; normalized
+            # (same meaning: allOf merged, enum-only branches joined, repeats shared as $defs) it fits
+            try:
+                normal = await loop.run_in_executor(self._threads, normalize, canon.value)
+            except BadRequest:
+                normal = None
+            if normal is not None:
+                result = await run(json.dumps(normal, separators=(",", ":"), ensure_ascii=False))
         if result[0] == "error" and backend == "llguidance" and canon.kind == "json_schema":
             # llguidance refuses some regexes (lookarounds, \A, \b) and gives up intersecting a
             # pattern with a long length bound: the schema widened there, and the output checked

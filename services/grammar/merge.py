@@ -146,6 +146,28 @@ def _search(pattern: str, name: str) -> bool:
         return False
 
 
+def _enum_union(branches: Any, one: bool) -> list | None:
+    """The values an anyOf (one=False) or oneOf (one=True) of branches that only list values
+    (enum, const, annotations) accepts: for oneOf, those in exactly one branch. None when some
+    branch asserts anything else."""
+    if not isinstance(branches, list) or not branches:
+        return None
+    seen: dict[str, tuple[Any, int]] = {}
+    for b in branches:
+        if not isinstance(b, dict):
+            return None
+        asserts = {k for k in b if k in KEYWORDS}
+        if not asserts or not asserts <= {"enum", "const"} or not isinstance(b.get("enum", []), list):
+            return None
+        vals = b["enum"] if "enum" in b else [b["const"]]
+        if "enum" in b and "const" in b:
+            vals = [v for v in vals if _key(v) == _key(b["const"])]
+        for v in {_key(v): v for v in vals}.values():
+            k = _key(v)
+            seen[k] = (v, seen[k][1] + 1 if k in seen else 1)
+    return [v for v, n in seen.values() if n == 1 or not one]
+
+
 def _strip(node: dict) -> dict:
     """The keywords that assert something, const read as a one-value enum and draft-7
     `dependencies` as dependentRequired/dependentSchemas."""
@@ -164,6 +186,14 @@ def _strip(node: dict) -> dict:
     if "const" in out:
         c = out.pop("const")
         out["enum"] = [v for v in out.get("enum", [c]) if _key(v) == _key(c)]
+    for comb in ("anyOf", "oneOf"):
+        values = _enum_union(out.get(comb), comb == "oneOf")
+        if values is not None:
+            # branches that are only enums (a list of tool names, each with its description) are one
+            # enum: merged into a sibling pattern or enum it is one filter, where distributing the
+            # sibling into every branch makes a node per branch at every use
+            out.pop(comb)
+            out["enum"] = values if "enum" not in out else [v for v in out["enum"] if _key(v) in {_key(u) for u in values}]
     if "if" not in out or ("then" not in out and "else" not in out):
         for k in ("if", "then", "else"):
             out.pop(k, None)

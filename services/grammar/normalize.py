@@ -80,13 +80,17 @@ class _Normalizer:
         self.units: dict[str, str] = {}          # JSON pointer, or a merged node's key -> output $ref
         self.queue: list[tuple[str, str, Any, str]] = []   # (container, name, raw schema, path)
         self.active: set[str] = set()            # merged nodes being normalized, for recursion
+        self.done: dict[str, dict] = {}          # merged nodes normalized once: key -> result
         self.nodes = 0
 
     def run(self) -> dict:
         out = self.norm(self.root, "$", 0)
         while self.queue:
             container, name, raw, path = self.queue.pop()
-            self.defs[container][name] = self.norm(raw, path, 0)
+            # an entry whose schema was already normalized inline (a recursive node's first
+            # occurrence) takes that result: normalizing it again would find itself in self.done
+            done = self.done.get(_key(raw)) if isinstance(raw, dict) else None
+            self.defs[container][name] = done if done is not None else self.norm(raw, path, 0)
         out.update({c: entries for c, entries in self.defs.items() if entries})
         _infer_types(out)
         return out
@@ -95,13 +99,15 @@ class _Normalizer:
         """The output $ref of an entry normalized once, from the queue (never recursively)."""
         ref = self.units.get(key)
         if ref is None:
-            if not name:
-                taken = set(self.root.get("$defs", {})) | set(self.defs["$defs"]) | {
-                    r.rsplit("/", 1)[1] for r in self.units.values() if r.startswith("#/$defs/")}
-                name = next(f"ref{i}" for i in range(len(taken) + 1) if f"ref{i}" not in taken)
+            name = name or self._free_name()
             ref = self.units[key] = f"#/{container}/" + name.replace("~", "~0").replace("/", "~1")
             self.queue.append((container, name, raw, path))
         return ref
+
+    def _free_name(self) -> str:
+        taken = set(self.root.get("$defs", {})) | set(self.defs["$defs"]) | {
+            r.rsplit("/", 1)[1] for r in self.units.values() if r.startswith("#/$defs/")}
+        return next(f"ref{i}" for i in range(len(taken) + 1) if f"ref{i}" not in taken)
 
     # ---- references
 
@@ -185,11 +191,23 @@ class _Normalizer:
         key = _key(node)
         if key in self.active or len(self.active) >= MAX_INLINE:
             return {"$ref": self._unit(key, node, path)}
+        done = self.done.get(key)
+        if done is not None:
+            # met again: the same text is the same schema, so it becomes a $defs entry holding what
+            # was computed the first time (a large allOf or $ref-with-siblings used in many places,
+            # say a CI step's anyOf of hundreds of tasks, would otherwise be expanded at each), or
+            # refers to the entry it already has (a recursive one, normalized from the queue)
+            if key not in self.units:
+                self.units[key] = f"#/$defs/{self._free_name()}"
+                self.defs["$defs"][self.units[key].rsplit("/", 1)[1]] = done
+            return {"$ref": self.units[key]}
         self.active.add(key)
         try:
-            return self._norm_merged(node, path, depth)
+            out = self._norm_merged(node, path, depth)
         finally:
             self.active.discard(key)
+        self.done[key] = out
+        return out
 
     def _norm_merged(self, node: dict, path: str, depth: int) -> dict:
         parts, rest, top_unevaluated = self._flatten(node, path)
