@@ -228,3 +228,57 @@ async def test_completion_errors(server):
     with pytest.raises(openai.BadRequestError):
         await c.completions.create(model=server.model, prompt="x", max_tokens=2, stream=True,
                                    stream_options={"include_usage": True, "bogus": True})
+
+
+async def _scrape(server) -> dict:
+    """/metrics parsed by prometheus-client's own parser: {sample name: {labels tuple: value}}."""
+    from prometheus_client.parser import text_string_to_metric_families
+    async with server.http.get(server.base + "/metrics") as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        text = await r.text()
+    out: dict = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def _total(m: dict, name: str, **labels) -> float:
+    return sum(v for key, v in m.get(name, {}).items() if all((k, val) in key for k, val in labels.items()))
+
+
+async def test_latency_histograms_and_the_dashboard(server):
+    """TTFT, inter-token latency, end-to-end, executor queue time and step time are Prometheus
+    histograms in /metrics (written by prometheus-client), counted once per request / output;
+    every metric the Grafana dashboard queries is served."""
+    import json
+    import re
+    from pathlib import Path
+    c, m = server.client, server.model
+    before = await _scrape(server)
+    n, tokens = 2, 8
+    for i in range(n):
+        stream = await c.completions.create(model=m, prompt=f"histograms {i}", max_tokens=tokens, stream=True,
+                                            extra_body={"ignore_eos": True})
+        async for _ in stream:
+            pass
+    after = await _scrape(server)
+
+    def delta(name: str, **labels) -> float:
+        return _total(after, name, **labels) - _total(before, name, **labels)
+    assert delta("radixflow_time_to_first_token_seconds_count") == n
+    assert delta("radixflow_e2e_request_latency_seconds_count") == n
+    assert delta("radixflow_queue_seconds_count") == n
+    # one output per step per request: the first is the TTFT, the rest inter-token gaps
+    assert delta("radixflow_inter_token_latency_seconds_count") == n * (tokens - 1)
+    assert delta("radixflow_step_seconds_count", phase="decode") >= tokens - 1
+    assert delta("radixflow_step_seconds_count", phase="prefill") >= 1
+    assert delta("radixflow_time_to_first_token_seconds_sum") > 0
+    assert delta("radixflow_time_to_first_token_seconds_bucket", le="+Inf") == n
+    for key in after["radixflow_step_seconds_count"]:
+        assert ("service", "executor") in key and any(k == "instance" for k, _ in key)
+    dashboard = (Path(__file__).parent.parent / "deploy" / "grafana" / "radixflow.json").read_text()
+    queried = set(re.findall(r"radixflow_[a-z0-9_]+", dashboard))
+    assert len(queried) > 10
+    assert queried <= set(after), queried - set(after)
+    assert json.loads(dashboard)["panels"]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from radixflow.shared import log
 from radixflow.shared.errors import BadRequest, NotFound, RadixflowError
+from radixflow.shared.histogram import Histogram
 from radixflow.shared.messages import CacheHints, ExecRequest, Progress, RadixRegister, SeqOutput
 
 from radixflow.services.radix.pool import pages_for
@@ -88,6 +89,10 @@ class Engine:
         self.steps = 0
         self.counters = {"prompt_tokens_total": 0, "cached_tokens_total": 0, "prefill_tokens_computed_total": 0,
                          "generated_tokens_total": 0, "requests_total": 0}
+        # for /metrics: a step's model time (runner and output handling) by phase, and how long a
+        # request waited between arriving and getting its pages
+        self.step_seconds = {p: Histogram("step_seconds", labels={"phase": p}) for p in ("prefill", "decode")}
+        self.queue_seconds = Histogram("queue_seconds")
 
     # ------------------------------------------------------------ intake (any thread)
 
@@ -129,7 +134,7 @@ class Engine:
             if req.rid in self._live or any(s.rid == req.rid for s in self._new):
                 raise BadRequest(f"request id {req.rid!r} is already running", param="rid")
             self._new.append(seq)
-            self._last_arrival = time.monotonic()
+            self._last_arrival = seq.arrived = time.monotonic()
 
     def abort(self, rids: list[str], discard: bool = False) -> None:
         """Stop requests; with discard (a cancelled program branch) nothing more of them is cached."""
@@ -186,6 +191,7 @@ class Engine:
         plan = self.batcher.schedule()
         if plan is None:
             return outs
+        t0 = time.perf_counter()
         try:
             toks = self.runner.run(plan)
         except Exception as e:
@@ -196,7 +202,9 @@ class Engine:
             return outs + [self._error(s, 500, f"internal error in a model step: {type(e).__name__}: {e}")
                            for s in plan.seqs]
         self.steps += 1
-        return outs + self._postprocess(plan, toks)
+        outs += self._postprocess(plan, toks)
+        self.step_seconds["decode" if plan.is_decode else "prefill"].observe(time.perf_counter() - t0)
+        return outs
 
     def _intake(self) -> list[tuple[str, SeqOutput]]:
         with self._lock:
@@ -237,7 +245,11 @@ class Engine:
             return [self._error(s, e.code, f"no KV pages: {e.message}") for s in lost]
         started = self.batcher.apply(reply.grants, retry=any(d.reason in ("budget", "shared-prefix")
                                                              for d in reply.deferred))
+        now = time.monotonic()
         for s in started:
+            if s.arrived:
+                self.queue_seconds.observe(now - s.arrived)
+                s.arrived = 0.0
             self.counters["prompt_tokens_total"] += s.prompt_len
             self.counters["cached_tokens_total"] += s.cached_len
             self.counters["requests_total"] += 1

@@ -53,6 +53,7 @@ class Sequence:
     matcher: Any = None          # structured output: a grammar Matcher (grammar/backends) over the output
     draft: list[int] = field(default_factory=list)   # jump-forward: forced tokens after the pending one (jump.py)
     priority: int = 0            # admission order (speculative program branches: lower)
+    arrived: float = 0.0         # monotonic time of Engine.add, until it gets pages (queue_seconds)
     quota_pages: int = 0         # > 0: its namespace's owner may keep at most this many cached pages (radix)
     pin: str = ""                # programs: keep the cached prefix locked under this key at release
     pin_ttl_s: float = 0.0

@@ -186,4 +186,5 @@ class ExecutorService(Actor):
         names = ("prompt_tokens_total", "cached_tokens_total", "prefill_tokens_computed_total",
                  "generated_tokens_total", "requests_total", "jump_forward_drafted_total", "jump_forward_kept_total",
                  "running", "waiting")
-        return [Sample(name=n if n.endswith("_total") else f"requests_{n}", value=st[n]) for n in names]
+        return [Sample(name=n if n.endswith("_total") else f"requests_{n}", value=st[n]) for n in names] \
+            + [x for h in (*self.engine.step_seconds.values(), self.engine.queue_seconds) for x in h.samples()]

@@ -9,7 +9,10 @@ from radixflow.shared import subjects
 from radixflow.shared.errors import RadixflowError
 from radixflow.shared.messages import MemoryReply, MetricsReply, RadixFlush, RadixFlushed, StatusReply, StatusRequest
 
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
 from . import protocol as P
+from .metrics import Gathered
 from .app import BUS, CLIENT, CONFIG, DRAINING, KEYS, principal
 
 
@@ -54,19 +57,13 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """Prometheus text: every instance's samples, gathered over the bus."""
+    """Prometheus text: every instance's samples, gathered over the bus, written by prometheus-client
+    (metrics.py)."""
     replies = await request.app[BUS].gather(subjects.METRICS, StatusRequest(), MetricsReply, window_s=0.2)
-    by_name: dict[str, list[str]] = {}
-    for r in sorted(replies, key=lambda r: (r.service, r.instance)):
-        for s in r.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            by_name.setdefault(s.name, []).append(f"radixflow_{s.name}{{{labels}}} {s.value:g}")
-    lines = []
-    for name in sorted(by_name):
-        lines.append(f"# TYPE radixflow_{name} {'counter' if name.endswith('_total') else 'gauge'}")
-        lines.extend(by_name[name])
-    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
-                        headers={"X-Content-Type-Options": "nosniff"})
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Gathered(replies))
+    return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST,
+                                                                 "X-Content-Type-Options": "nosniff"})
 
 
 async def memory(request: web.Request) -> web.Response:

@@ -28,7 +28,7 @@ from radixflow.shared import log
 from radixflow.shared.errors import BadRequest, RadixflowError
 
 from .cache import CacheEntry, GrammarCache
-from .histogram import Histogram
+from radixflow.shared.histogram import Histogram
 from .backends.base import CHECKED, FULL
 from .keys import BACKENDS, Canonical, canonicalize, grammar_key
 from . import drafts

@@ -19,6 +19,7 @@ from radixflow.shared.actor import Actor
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import SchedulerConfig, ServiceConfig
 from radixflow.shared.errors import BadRequest, Overloaded, RadixflowError, ServiceUnavailable
+from radixflow.shared.histogram import Histogram
 from radixflow.shared.messages import (AbortRequest, Accepted, Constraint, DetokenizeReply, DetokenizeRequest,
                                        DetokItem, EncodeReply, EncodeRequest, ExecAccepted, ExecRequest, ExecutorInfo,
                                        GenerateRequest, GrammarCompile, GrammarCompiled, Heartbeat, ProgramQuery,
@@ -53,6 +54,11 @@ class SchedulerService(Actor):
         self.siblings: dict[str, Siblings] = {}     # rid of a request with n > 1 -> its children
         self.resampled_total = 0                    # structured outputs sampled again after a failed check
         self.tenants = TenantLedger()
+        # latency as clients see it, up to this service: from acceptance to the first output, between
+        # outputs (per token), to the end
+        self.ttft = Histogram("time_to_first_token_seconds")
+        self.itl = Histogram("inter_token_latency_seconds")
+        self.e2e = Histogram("e2e_request_latency_seconds")
         self._eos: list[int] | None = None
         self.output_subject = subjects.scheduler_output(self.instance)
         self.route(subjects.SCHEDULER_SUBMIT, GenerateRequest, self.submit, queue="scheduler")
@@ -80,7 +86,7 @@ class SchedulerService(Actor):
     def metrics(self) -> list[Sample]:
         return [Sample(name="requests_inflight", value=len(self.table)),
                 Sample(name="structured_resamples_total", value=self.resampled_total)] + self.programs.metrics() \
-            + self.tenants.samples()
+            + self.tenants.samples() + self.ttft.samples() + self.itl.samples() + self.e2e.samples()
 
     # ------------------------------------------------------------ executors
 
@@ -260,7 +266,14 @@ class SchedulerService(Actor):
         live = [(t, o) for o in step.outputs if (t := self.table.get(o.rid)) is not None and not t.stopping]
         if not live:
             return
+        now = time.monotonic()
         for t, o in live:
+            if o.token_ids:
+                if t.last_token_at:
+                    self.itl.observe((now - t.last_token_at) / len(o.token_ids))
+                else:
+                    self.ttft.observe(now - t.accepted_at)
+                t.last_token_at = now
             t.output_ids.extend(o.token_ids)
             t.cached_tokens = o.cached_tokens
             t.logprobs.extend(o.logprobs)
@@ -347,6 +360,7 @@ class SchedulerService(Actor):
     async def _end(self, t: Tracked, text: str, reason: str, matched) -> None:
         if self.table.finish(t.rid) is None:
             return
+        self.e2e.observe(time.monotonic() - t.accepted_at)
         self._release(t)
         text, t.held = t.held + text, ""
         await self._send(t, t.take(text, finished=True, finish_reason=reason, matched_stop=matched, usage=Usage(

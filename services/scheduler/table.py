@@ -4,6 +4,7 @@ the one place a request leaves, so a tracked request's tenant ticket (tenants.py
 `add` to `finish`."""
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -51,6 +52,8 @@ class Tracked:
     # where the stream items go instead of `stream_subject`: a program's node (programs.py)
     sink: Callable[[StreamChunk | StreamError], Awaitable[None]] | None = None
     ticket: Ticket | None = None  # its tenant's accounting, released when it leaves the table
+    accepted_at: float = field(default_factory=time.monotonic)   # for the latency histograms
+    last_token_at: float = 0.0    # when its latest output arrived (0: none yet)
 
     def __post_init__(self) -> None:
         self.stops = StopMatcher(self.sampling.stop)
