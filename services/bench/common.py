@@ -29,6 +29,66 @@ def resolve_model(name: str) -> str:
     return name
 
 
+class EngineHost:
+    """The in-process Engine baseline in a process of its own, driven over a pipe: `call(name,
+    *args)` runs `name(engine, *args)` from services/bench/decode.py there and returns its result.
+
+    Why not in this process: torch's CPU ops run on an OpenMP thread team per calling thread, and
+    a second team (the baseline's, beside the served executor's compute thread) slows the served
+    side: measured on 2 cores, a 1-token request's step took 28-32 ms instead of 11-14 ms once the
+    bench process had run the Engine in its main thread. Here neither side's threads exist in
+    the other's process, and the two still run in alternation, so their ratio is measured in one
+    run."""
+
+    def __init__(self, model: str, **cfg):
+        import multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_host, args=(child, model, cfg), daemon=True)
+        self.proc.start()
+        child.close()
+        ready = self.conn.recv()
+        if ready != "ready":
+            raise RuntimeError(f"the baseline engine did not start: {ready}")
+
+    def call(self, name: str, *args):
+        self.conn.send((name, args))
+        ok, out = self.conn.recv()
+        if not ok:
+            raise RuntimeError(f"baseline engine: {out}")
+        return out
+
+    def close(self) -> None:
+        try:
+            self.conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(10)
+
+    def __enter__(self) -> "EngineHost":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _host(conn, model: str, cfg: dict) -> None:
+    try:
+        from radixflow.services.bench import decode
+        from radixflow.services.executor.engine import Engine, EngineConfig
+        engine = Engine(EngineConfig(model=model, **cfg))
+    except Exception as e:       # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(repr(e))
+        return
+    conn.send("ready")
+    while (msg := conn.recv()) is not None:
+        name, args = msg
+        try:
+            conn.send((True, getattr(decode, name)(engine, *args)))
+        except Exception as e:   # noqa: BLE001
+            conn.send((False, repr(e)))
+
+
 @asynccontextmanager
 async def served(model: str, **overrides):
     """The full service path (HTTP -> gateway -> NATS -> ... -> executor) in this process."""

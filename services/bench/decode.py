@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import random
 
-from radixflow.services.executor.engine import Engine, EngineConfig
+from radixflow.services.executor.engine import Engine
 from radixflow.shared.messages import ExecRequest, SamplingParams
 
-from .common import Timer, generate, median, served
+from .common import EngineHost, Timer, generate, median, served
 
 
 def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -45,48 +45,63 @@ async def served_decode(http, base: str, batch: int, prompt_len: int, new_tokens
     return {"total_tok_s": produced / t.s, "tokens": produced}
 
 
-def run_decode(model: str, batches: list[int], prompt_len: int, new_tokens: int) -> dict:
-    engine = Engine(EngineConfig(model=model, max_running_requests=max(batches)))
-    engine_decode(engine, 2, prompt_len, 8)     # warm up
-    eng = {b: engine_decode(engine, b, prompt_len, new_tokens) for b in batches}
-    del engine
+def engine_latency(engine: Engine, prompt: list[int], rid: str) -> float:
+    """Seconds for a 1-token request on the Engine, from add to its output."""
+    engine.add(ExecRequest(rid=rid, input_ids=prompt, eos_token_ids=[],
+                           sampling=SamplingParams(max_new_tokens=1, temperature=0)))
+    with Timer() as t:
+        while engine.has_work():
+            engine.step()
+    return t.s
 
-    async def svc():
-        async with served(model, ex_max_running_requests=max(batches)) as (_, http, base):
-            await served_decode(http, base, 2, prompt_len, 8)
-            return {b: await served_decode(http, base, b, prompt_len, new_tokens) for b in batches}
-    srv = asyncio.run(svc())
+
+def run_decode(model: str, batches: list[int], prompt_len: int, new_tokens: int, rounds: int = 3) -> dict:
+    """Each batch size on the Engine (in a process of its own: common.EngineHost) and through the
+    service path, in interleaved rounds (median of each), so a machine that speeds up or slows down
+    meanwhile skews neither side."""
+    with EngineHost(model, max_running_requests=max(batches)) as host:
+        host.call("engine_decode", 2, prompt_len, 8)     # warm up
+
+        async def both():
+            loop = asyncio.get_running_loop()
+            eng = {b: [] for b in batches}
+            srv = {b: [] for b in batches}
+            async with served(model, ex_max_running_requests=max(batches)) as (_, http, base):
+                await served_decode(http, base, 2, prompt_len, 8)
+                for _ in range(rounds):
+                    for b in batches:
+                        eng[b].append(await loop.run_in_executor(None, host.call, "engine_decode", b, prompt_len,
+                                                                 new_tokens))
+                        srv[b].append(await served_decode(http, base, b, prompt_len, new_tokens))
+            return eng, srv
+        eng, srv = asyncio.run(both())
     rows = []
     for b in batches:
-        rows.append({"batch": b, "engine_decode_tok_s": round(eng[b]["decode_tok_s"], 1),
-                     "engine_total_tok_s": round(eng[b]["total_tok_s"], 1),
-                     "served_total_tok_s": round(srv[b]["total_tok_s"], 1),
-                     "served_vs_engine": round(srv[b]["total_tok_s"] / eng[b]["total_tok_s"], 3)})
-    return {"model": model, "prompt_len": prompt_len, "new_tokens": new_tokens, "rows": rows}
+        e_dec = median([x["decode_tok_s"] for x in eng[b]])
+        e_tot = median([x["total_tok_s"] for x in eng[b]])
+        s_tot = median([x["total_tok_s"] for x in srv[b]])
+        rows.append({"batch": b, "engine_decode_tok_s": round(e_dec, 1), "engine_total_tok_s": round(e_tot, 1),
+                     "served_total_tok_s": round(s_tot, 1), "served_vs_engine": round(s_tot / e_tot, 3)})
+    return {"model": model, "prompt_len": prompt_len, "new_tokens": new_tokens, "rounds": rounds, "rows": rows}
 
 
 def run_latency(model: str, prompt_len: int, repeats: int) -> dict:
-    engine = Engine(EngineConfig(model=model))
+    """1-token requests, alternately on the Engine (its own process) and through HTTP; medians
+    after two warm-up requests each."""
     prompts = _prompts(repeats + 2, prompt_len, seed=99)
-    eng = []
-    for i, p in enumerate(prompts):
-        engine.add(ExecRequest(rid=f"l{i}", input_ids=p, eos_token_ids=[],
-                               sampling=SamplingParams(max_new_tokens=1, temperature=0)))
-        with Timer() as t:
-            while engine.has_work():
-                engine.step()
-        eng.append(t.s)
-    del engine
-
-    async def svc():
-        async with served(model) as (_, http, base):
-            out = []
-            for p in prompts:
-                with Timer() as t:
-                    await generate(http, base, {"input_ids": p, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
-                out.append(t.s)
-            return out
-    srv = asyncio.run(svc())
+    with EngineHost(model) as host:
+        async def both():
+            loop = asyncio.get_running_loop()
+            eng, srv = [], []
+            async with served(model) as (_, http, base):
+                for i, p in enumerate(prompts):
+                    eng.append(await loop.run_in_executor(None, host.call, "engine_latency", p, f"l{i}"))
+                    with Timer() as t:
+                        await generate(http, base, {"input_ids": p, "sampling_params": {"max_new_tokens": 1,
+                                                                                        "temperature": 0}})
+                    srv.append(t.s)
+            return eng, srv
+        eng, srv = asyncio.run(both())
     e, s = median(eng[2:]), median(srv[2:])
     return {"model": model, "prompt_len": prompt_len, "repeats": repeats, "engine_ms": round(e * 1e3, 2),
             "served_e2e_ms": round(s * 1e3, 2), "service_path_overhead_ms": round((s - e) * 1e3, 2),
