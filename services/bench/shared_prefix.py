@@ -4,14 +4,19 @@ generating a short answer; run through the full service path with the radix cach
 --disable-radix-cache, in one process, side by side.
 
 Reported per side: prefill tokens computed (prompt - cached, from each response), peak KV pages in
-use (sampled from the radix service), wall time; and the ratios off/on. Greedy outputs must match.
+use (sampled from the radix service), wall time, the FLOPs of what was computed and the compute
+floor they set at the GEMM peak measured on the spot (flops.py: wall_over_floor); and the ratios
+off/on. Greedy outputs must match.
 """
 from __future__ import annotations
 
 import asyncio
 import random
 
+from radixflow.services.executor.models.spec import ModelSpec
+
 from .common import Timer, generate, served
+from .flops import measure_peak, request_flops
 
 
 def workload(preamble: int, suffix: int, n: int, vocab: int, seed: int = 7) -> tuple[list[int], list[list[int]]]:
@@ -53,8 +58,11 @@ async def _side(model: str, pre, sufs, out_tokens: int, cache: bool, first_alone
         async with http.get(base + "/v1/memory") as r:
             memory = (await r.json())["executors"][0]
     computed = sum(o["meta_info"]["prompt_tokens"] - o["meta_info"]["cached_tokens"] for o in outs)
+    spec = ModelSpec.from_dir(model)
+    flops = sum(request_flops(spec, o["meta_info"]["prompt_tokens"], o["meta_info"]["cached_tokens"],
+                              o["meta_info"]["completion_tokens"]) for o in outs)
     out = {"prefill_tokens_computed": computed, "peak_kv_pages": peak, "page_size": page_size,
-           "wall_s": round(t.s, 3), "outputs": [o["output_ids"] for o in outs]}
+           "wall_s": round(t.s, 3), "gflops": round(flops / 1e9, 2), "outputs": [o["output_ids"] for o in outs]}
     if pool.hybrid:
         out |= {"state_slots_holding_the_preamble": len(preamble_states), "preamble_checkpoints_at": preamble_states,
                 **{k: stats[k] for k in ("state_checkpoints_total", "state_restores_total",
@@ -71,14 +79,19 @@ def run_shared_prefix(model: str, preamble: int, suffix: int, n: int, out_tokens
     import os
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
     pre, sufs = workload(preamble, suffix, n, vocab)
+    peak = measure_peak(model)
     on = asyncio.run(_side(model, pre, sufs, out_tokens, True, first_alone))
     off = asyncio.run(_side(model, pre, sufs, out_tokens, False, first_alone))
+    for side in (on, off):
+        # the compute floor: the FLOPs of what this side computed, at the GEMM peak measured now
+        side["floor_s"] = round(side["gflops"] * 1e9 / peak, 3)
+        side["wall_over_floor"] = round(side["wall_s"] / side["floor_s"], 2)
     same = sum(a == b for a, b in zip(on.pop("outputs"), off.pop("outputs")))
     token_ratio = off["prefill_tokens_computed"] / max(on["prefill_tokens_computed"], 1)
     wall_ratio = off["wall_s"] / max(on["wall_s"], 1e-9)
     return {"model": model, "workload": {"preamble": preamble, "suffix": suffix, "requests": n,
                                          "output_tokens": out_tokens, "first_alone": first_alone},
-            "cache_on": on, "cache_off": off,
+            "gemm_peak_gflops": round(peak / 1e9, 1), "cache_on": on, "cache_off": off,
             "prefill_token_ratio": round(token_ratio, 2), "peak_pages_ratio": round(off["peak_kv_pages"] / max(on["peak_kv_pages"], 1), 2),
             "wall_speedup": round(wall_ratio, 2), "wall_speedup_over_token_ratio": round(wall_ratio / token_ratio, 3),
             "greedy_outputs_identical": f"{same}/{n}",
