@@ -82,6 +82,7 @@ class PagePool:
         # views instead of gathering them (runner.shared_prefixes: measured 22 vs 140 ms per
         # decode step of 40 hybrid sequences sharing a 3,000-token prefix)
         self._free = list(range(num_pages))
+        self.peak_used = 0               # most pages out of the free list at once (bench shared-prefix)
         self.num_state_slots = num_state_slots
         self.hybrid = num_state_slots > 0
         self.interval = checkpoint_interval // page_size * page_size
@@ -153,6 +154,8 @@ class PagePool:
         for d in msg.demotes:
             self.demote(d)
         grants, deferred = self.admit(msg.candidates, msg.budget, msg.max_admit)
+        # pages only leave the free list in admit (grants), so its high-water mark is seen here
+        self.peak_used = max(self.peak_used, self.num_pages - len(self._free))
         return RadixStepReply(grants=grants, deferred=deferred, free_pages=self.free_pages,
                               evictable_pages=self.tree.evictable_pages)
 
