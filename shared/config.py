@@ -33,7 +33,8 @@ class ExecutorConfig:
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192    # token budget of one prefill step
     page_size: int = 16
-    max_total_tokens: int = 0         # KV pool size in tokens; 0 = sized from max_model_len
+    max_total_tokens: int = 0         # KV pool size in tokens; 0 = from mem_fraction, or sized from max_model_len
+    mem_fraction: float = 0.0         # > 0: the pools take this share of free device memory, less the weights
     max_model_len: int = 0            # 0 = the model's max_position_embeddings
     num_threads: int = 0              # torch intra-op threads; 0 = leave torch's default
     orphan_timeout_s: float = 3.5     # a request's scheduler silent this long: abort the request

@@ -59,3 +59,27 @@ async def test_server_reports_realized_memory(nats_server, models):
             assert f"radixflow_{name}{{" in text, name
     finally:
         await st.stop()
+
+
+def test_pools_sized_from_free_memory(models):
+    """mem_fraction: the KV pool (with the state slots) takes that share of the free memory, less
+    the weights; a share too small for one max_model_len sequence is a clear error."""
+    import pytest
+    import torch
+
+    from radixflow.services.executor.engine import Engine, EngineConfig
+    from radixflow.services.executor.memory import free_bytes, realized, tokens_for
+    spec = ModelSpec.from_dir(models["tiny-hybrid"])
+    per_token = estimate(spec, torch.float32)["kv_bytes_per_token"]
+    state = estimate(spec, torch.float32)["state_bytes_per_sequence"]
+    assert tokens_for(spec, 1000 * per_token + 3 * state, torch.float32, 3) == 1000
+    assert tokens_for(spec, 10 * state, torch.float32, 20) == 0
+
+    free = free_bytes(torch.device("cpu"))
+    frac = min(0.05, (2 << 30) / free)              # at most ~2 GiB of KV on the test machine
+    e = Engine(EngineConfig(model=models["tiny-hybrid"], mem_fraction=frac, max_model_len=4096))
+    r = realized(e.spec, e.runner.plan)
+    used = r["kv_pool_bytes"] + r["state_pool_bytes"]
+    assert 0.5 * frac * free < used <= frac * free * 1.01
+    with pytest.raises(ValueError, match="mem_fraction"):
+        Engine(EngineConfig(model=models["tiny-hybrid"], mem_fraction=1e-6))

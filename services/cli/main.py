@@ -38,6 +38,9 @@ def _serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="auto | cpu | cuda")
     p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
+    p.add_argument("--mem-fraction", type=float, default=None,
+                   help="size the KV and state pools to this share of free device memory, less the weights "
+                        "(when --max-total-tokens is not given)")
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--max-prefill-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -56,7 +59,8 @@ def _serving_args(p: argparse.ArgumentParser) -> None:
 
 def _overrides(a: argparse.Namespace) -> dict:
     return dict(ex_served_model_name=a.served_model_name, ex_device=a.device, ex_page_size=a.page_size,
-                ex_max_total_tokens=a.max_total_tokens, ex_max_running_requests=a.max_running_requests,
+                ex_max_total_tokens=a.max_total_tokens, ex_mem_fraction=a.mem_fraction,
+                ex_max_running_requests=a.max_running_requests,
                 ex_max_prefill_tokens=a.max_prefill_tokens, ex_max_model_len=a.max_model_len,
                 ex_disable_radix_cache=a.disable_radix_cache, ex_state_slots=a.state_slots,
                 ex_checkpoint_interval=a.checkpoint_interval, gw_host=a.host, gw_port=a.port,

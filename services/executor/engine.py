@@ -35,7 +35,8 @@ class EngineConfig:
     model: str
     device: str = "auto"
     page_size: int = 16
-    max_total_tokens: int = 0        # 0: auto
+    max_total_tokens: int = 0        # 0: auto (from mem_fraction when set, else 2 x max_model_len, >= 131072)
+    mem_fraction: float = 0.0        # > 0: KV and state pools take this share of free device memory, less the weights
     max_model_len: int = 0           # 0: the model's max_position_embeddings
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192
@@ -60,11 +61,12 @@ class Engine:
         spec = ModelSpec.from_dir(cfg.model)
         self.cfg = cfg
         self.max_model_len = min(cfg.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
-        total = cfg.max_total_tokens or max(131072, 2 * self.max_model_len)
-        self.page_size = cfg.page_size
-        self.num_pages = pages_for(total, cfg.page_size)
         # every running request holds a working and a tail slot; the rest hold checkpoints
         num_slots = (cfg.state_slots or 2 * cfg.max_running_requests + 64) if spec.is_hybrid else 0
+        total = cfg.max_total_tokens or (self._tokens_from_memory(spec, num_slots) if cfg.mem_fraction > 0 else
+                                         max(131072, 2 * self.max_model_len))
+        self.page_size = cfg.page_size
+        self.num_pages = pages_for(total, cfg.page_size)
         self.runner = ModelRunner(cfg.model, device=cfg.device, page_size=cfg.page_size,
                                   num_pages=self.num_pages, num_state_slots=num_slots)
         self.spec = self.runner.spec
@@ -93,6 +95,29 @@ class Engine:
         # request waited between arriving and getting its pages
         self.step_seconds = {p: Histogram("step_seconds", labels={"phase": p}) for p in ("prefill", "decode")}
         self.queue_seconds = Histogram("queue_seconds")
+
+    def _tokens_from_memory(self, spec, num_slots: int) -> int:
+        """The KV pool in tokens when sized by mem_fraction: that share of the device's free
+        memory, less the weights about to be loaded (their files, at the serving dtype), less the
+        state slots. Too little for one max_model_len sequence is a clear error."""
+        import glob
+        import os
+        from .memory import dtype_bytes, free_bytes, tokens_for
+        from .runner import pick_device, pick_dtype
+        device = pick_device(self.cfg.device)
+        dtype = pick_dtype(device)
+        files = glob.glob(os.path.join(self.cfg.model, "*.safetensors"))
+        weights = sum(os.path.getsize(f) for f in files) * dtype_bytes(dtype) // dtype_bytes(spec.torch_dtype or "float32")
+        free = free_bytes(device)
+        budget = int(self.cfg.mem_fraction * free) - weights
+        tokens = tokens_for(spec, budget, dtype, num_slots)
+        if tokens < self.max_model_len:
+            raise ValueError(f"mem_fraction {self.cfg.mem_fraction} of {free / 2**30:.1f} GiB free, less "
+                             f"{weights / 2**30:.2f} GiB of weights, holds {tokens} KV tokens: fewer than one "
+                             f"max_model_len ({self.max_model_len}) sequence; raise it or lower max_model_len")
+        _log.info("KV pool sized from free memory", mem_fraction=self.cfg.mem_fraction, free_gib=round(free / 2**30, 2),
+                  weights_gib=round(weights / 2**30, 3), tokens=tokens)
+        return tokens
 
     # ------------------------------------------------------------ intake (any thread)
 

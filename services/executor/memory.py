@@ -117,3 +117,29 @@ def realized(spec: ModelSpec, plan: MemoryPlan) -> dict:
         "page_size": plan.page_size, "kv_pages": plan.num_pages, "kv_token_slots": plan.num_token_slots,
         "kv_pool_bytes": plan.num_token_slots * e["kv_bytes_per_token"], "state_slots": plan.num_state_slots,
         "state_pool_bytes": plan.num_state_slots * e["state_bytes_per_sequence"]}
+
+
+# ---------------------------------------------------------------- sizing from free memory
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory free on the device now: CUDA's free memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def tokens_for(spec: ModelSpec, budget: int, kv_dtype: torch.dtype, state_slots: int,
+               state_dtype: torch.dtype = torch.float32) -> int:
+    """KV token slots that fit `budget` bytes once the state slots are paid for."""
+    e = estimate(spec, kv_dtype, state_dtype, kv_dtype)
+    rest = budget - state_slots * e["state_bytes_per_sequence"]
+    return max(rest, 0) // max(e["kv_bytes_per_token"], 1)

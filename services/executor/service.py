@@ -59,7 +59,8 @@ class ExecutorService(Actor):
             import torch
             torch.set_num_threads(cfg.num_threads)
         ecfg = EngineConfig(model=cfg.model, device=cfg.device, page_size=cfg.page_size,
-                            max_total_tokens=cfg.max_total_tokens, max_model_len=cfg.max_model_len,
+                            max_total_tokens=cfg.max_total_tokens, mem_fraction=cfg.mem_fraction,
+                            max_model_len=cfg.max_model_len,
                             max_running_requests=cfg.max_running_requests, max_prefill_tokens=cfg.max_prefill_tokens,
                             disable_radix_cache=cfg.disable_radix_cache, pool=self.instance,
                             burst_gap_s=cfg.burst_gap_s, burst_wait_s=cfg.burst_wait_s,
