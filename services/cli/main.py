@@ -185,6 +185,15 @@ def cmd_bench(a: argparse.Namespace) -> int:
             max_tokens=a.max_tokens or 2048, samples=a.samples, concurrency=a.concurrency,
             probe_concurrency=a.probe_concurrency, limit=a.limit))
         return 0
+    elif a.which == "serve":
+        from radixflow.services.bench.serve import ServeConfig, run_serve
+        cfg = ServeConfig(mode=a.mode, requests=a.num_prompts, input_len=a.input_len, output_len=a.output_len,
+                          preamble=a.preamble, suffix=a.suffix, fanout=a.fanout,
+                          levels=tuple(float(x) for x in (a.levels or ("1,4,16" if a.mode == "random" else "0.5,1,2")).split(",")))
+        out = run_serve(model, cfg, a.against, a.plot)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=2)
     elif a.which == "shared-prefix":
         from radixflow.services.bench.shared_prefix import run_shared_prefix
         out = run_shared_prefix(model, a.preamble, a.suffix, a.requests, a.output_tokens, a.first_alone)
@@ -245,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=1, help="schemas: answers per schema (seeds 0, 1, ...; 0: probes only)")
     p.add_argument("--limit", type=int, default=0, help="schemas: only N files, spread over the sorted names")
     p.add_argument("--backend", default="auto", help="schemas: grammar backend (auto: the server's choice)")
-    p.add_argument("--json", default=None, help="schemas: write the per-schema results to this file")
+    p.add_argument("--json", default=None, help="schemas: write the per-schema results to this file; serve: the results")
     p.add_argument("--output-tokens", type=int, default=8, help="shared-prefix: tokens generated per request")
     p.add_argument("--first-alone", action="store_true", help="shared-prefix: send the first request before the rest")
     p.add_argument("--batch", default="1,16", help="decode: comma-separated batch sizes")
@@ -254,6 +263,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--vocab", type=int, default=151936, help="sampler: vocabulary size (default: Qwen3's)")
     p.add_argument("--rows", type=int, default=64, help="sampler: sequences in the step")
+    p.add_argument("--mode", choices=("random", "agent"), default="random",
+                   help="serve: random prompts at each concurrency, or agent programs (shared preambles) "
+                        "arriving as a Poisson process at each rate")
+    p.add_argument("--levels", default=None,
+                   help="serve: comma-separated load levels (random: concurrency, default 1,4,16; agent: "
+                        "programs per second, default 0.5,1,2)")
+    p.add_argument("--num-prompts", type=int, default=32, help="serve: requests (random) or programs (agent) per level")
+    p.add_argument("--input-len", type=int, default=256, help="serve random: mean prompt tokens")
+    p.add_argument("--output-len", type=int, default=32, help="serve: mean output tokens (agent: exact)")
+    p.add_argument("--fanout", type=int, default=8, help="serve agent: calls per program")
+    p.add_argument("--against", default=None, help="serve: also run the load on this OpenAI-compatible server URL")
+    p.add_argument("--plot", default=None, help="serve: write throughput and TTFT curves to this PNG")
     p.set_defaults(fn=cmd_bench)
     a = ap.parse_args(argv)
     return a.fn(a)

@@ -1,0 +1,56 @@
+"""`radixflow bench serve` (bench/serve.py) against a real stack: every request of a level is
+counted once, the latency percentiles come from streamed chunks, the agent workload's shared
+preambles show up as cache hits, and the curves are drawn."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from radixflow.services.bench.serve import ServeConfig, plot_curves, summarize, sweep, Result
+
+from . import stacks
+
+
+@pytest.fixture(scope="module")
+async def stack(models):
+    st = await stacks.start(models["tiny-dense"])
+    yield st
+    await stacks.stop(st)
+
+
+async def test_random_sweep_counts_every_request(stack):
+    cfg = ServeConfig(mode="random", levels=(1, 3), requests=5, input_len=16, output_len=4, vocab=4000)
+    rows = await sweep(stack.base, cfg, "radixflow", stack.actors["radix"])
+    assert [r["level"] for r in rows] == [1, 3]
+    for r in rows:
+        assert (r["completed"], r["failed"]) == (5, 0), r
+        assert r["ttft_ms_p50"] > 0 and r["ttft_ms_p99"] >= r["ttft_ms_p50"]
+        assert r["itl_ms_p50"] > 0 and r["e2e_ms_p99"] >= r["ttft_ms_p99"]
+        assert r["output_tok_s"] > 0 and 0 < r["peak_kv_pages"] <= r["kv_pages_total"]
+
+
+async def test_agent_programs_share_their_preambles(stack, tmp_path):
+    cfg = ServeConfig(mode="agent", levels=(20,), requests=3, preamble=96, suffix=8, fanout=4, tools=1,
+                      output_len=3, vocab=4000)
+    rows = await sweep(stack.base, cfg, "radixflow", stack.actors["radix"])
+    (r,) = rows
+    assert (r["completed"], r["failed"]) == (12, 0), r
+    # one tool's preamble (96 tokens) and each program's task are shared by its 4 calls
+    assert r["cache_hit_rate"] > 0.3, r
+    png = tmp_path / "curves.png"
+    out = plot_curves({"model": "tiny-dense", "config": {"mode": "agent"}, "radixflow": rows,
+                       "against": {"url": "other", "rows": rows}}, str(png))
+    if out.startswith("matplotlib is not installed"):
+        pytest.skip(out)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_summary_of_failures_and_percentiles():
+    rs = [Result(ok=True, prompt_tokens=10, cached_tokens=5, output_tokens=3, ttft=t, itl=[0.01, 0.02], e2e=t + 0.03)
+          for t in (0.1, 0.2, 0.3, 0.4)] + [Result(ok=False, error="HTTP 503: x")]
+    s = summarize(rs, 2.0)
+    assert (s["completed"], s["failed"], s["errors"]) == (4, 1, ["HTTP 503: x"])
+    assert s["ttft_ms_p50"] == 200.0 and s["ttft_ms_p99"] == 400.0 and s["itl_ms_p99"] == 20.0
+    assert s["cache_hit_rate"] == 0.5 and s["output_tok_s"] == 6.0
+    assert math.isclose(s["request_throughput"], 2.0)
