@@ -54,3 +54,15 @@ def test_summary_of_failures_and_percentiles():
     assert s["ttft_ms_p50"] == 200.0 and s["ttft_ms_p99"] == 400.0 and s["itl_ms_p99"] == 20.0
     assert s["cache_hit_rate"] == 0.5 and s["output_tok_s"] == 6.0
     assert math.isclose(s["request_throughput"], 2.0)
+
+
+async def test_shared_prefix_against_an_openai_server(stack):
+    """bench shared-prefix --against: the agent workload on any OpenAI-compatible server (here
+    radixflow's own /v1/completions), its wall time and the prefix hits the server reports."""
+    from radixflow.services.bench.shared_prefix import _peer, workload
+    pre, sufs = workload(96, 8, 4, 4000, seed=3)
+    out = await _peer(stack.base, pre, sufs, 2, first_alone=True)
+    assert out["wall_s"] > 0
+    # the first request computes the preamble; the other three reuse its full pages
+    assert 0 < out["prefix_hit_rate"] < 1
+    assert out["prefill_tokens_computed"] <= 96 + 4 * 8 + 4 * 16

@@ -68,7 +68,39 @@ async def _side(model: str, pre, sufs, out_tokens: int, cache: bool, first_alone
     return out
 
 
-def run_shared_prefix(model: str, preamble: int, suffix: int, n: int, out_tokens: int, first_alone: bool) -> dict:
+async def _peer(url: str, pre, sufs, out_tokens: int, first_alone: bool) -> dict:
+    """The same workload on another OpenAI-compatible server (/v1/completions with token-id
+    prompts): wall time, and the prefix-cache hits it reports (usage.prompt_tokens_details)."""
+    import aiohttp
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as http:
+        async with http.get(url + "/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+        async with http.post(url + "/reset_prefix_cache") as r:          # vLLM's; elsewhere a 404, harmless
+            pass
+
+        async def complete(prompt: list[int], max_tokens: int) -> dict:
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+            async with http.post(url + "/v1/completions", json=body) as r:
+                out = await r.json()
+                if r.status != 200:
+                    raise RuntimeError(f"{url}/v1/completions {r.status}: {out}")
+                return out
+        await complete(list(range(5, 69)), 2)                            # warm up, as on our side
+        with Timer() as t:
+            outs = []
+            rest = sufs
+            if first_alone:
+                outs.append(await complete(pre + sufs[0], out_tokens))
+                rest = sufs[1:]
+            outs += await asyncio.gather(*(complete(pre + s, out_tokens) for s in rest))
+    prompt = sum(o["usage"]["prompt_tokens"] for o in outs)
+    cached = sum((o["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for o in outs)
+    return {"url": url, "wall_s": round(t.s, 3), "prefill_tokens_computed": prompt - cached,
+            "prefix_hit_rate": round(cached / prompt, 4) if prompt else 0.0}
+
+
+def run_shared_prefix(model: str, preamble: int, suffix: int, n: int, out_tokens: int, first_alone: bool,
+                      against: str | None = None) -> dict:
     import json
     import os
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
@@ -80,10 +112,15 @@ def run_shared_prefix(model: str, preamble: int, suffix: int, n: int, out_tokens
         # the compute floor: the FLOPs of what this side computed, at the GEMM peak measured now
         side["floor_s"] = round(side["gflops"] * 1e9 / peak, 3)
         side["wall_over_floor"] = round(side["wall_s"] / side["floor_s"], 2)
+    peer = asyncio.run(_peer(against.rstrip("/"), pre, sufs, out_tokens, first_alone)) if against else None
     same = sum(a == b for a, b in zip(on.pop("outputs"), off.pop("outputs")))
     token_ratio = off["prefill_tokens_computed"] / max(on["prefill_tokens_computed"], 1)
     wall_ratio = off["wall_s"] / max(on["wall_s"], 1e-9)
-    return {"model": model, "workload": {"preamble": preamble, "suffix": suffix, "requests": n,
+    if peer is not None:
+        prompt = n * preamble + n * suffix
+        on["prefix_hit_rate"] = round(1 - on["prefill_tokens_computed"] / prompt, 4)
+        peer["radixflow_wall_over_peer"] = round(on["wall_s"] / peer["wall_s"], 3)
+    out = {"model": model, "workload": {"preamble": preamble, "suffix": suffix, "requests": n,
                                          "output_tokens": out_tokens, "first_alone": first_alone},
             "gemm_peak_gflops": round(peak / 1e9, 1), "cache_on": on, "cache_off": off,
             "prefill_token_ratio": round(token_ratio, 2), "peak_pages_ratio": round(off["peak_kv_pages"] / max(on["peak_kv_pages"], 1), 2),
@@ -91,3 +128,6 @@ def run_shared_prefix(model: str, preamble: int, suffix: int, n: int, out_tokens
             "greedy_outputs_identical": f"{same}/{n}",
             # a hybrid group may pay for its branching point once (the issues' bounds, before page rounding)
             "bound_prefill_tokens": (2 if "state_slots_used" in on else 1) * preamble + n * suffix}
+    if peer is not None:
+        out["against"] = peer
+    return out

@@ -196,7 +196,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                 json.dump(out, f, indent=2)
     elif a.which == "shared-prefix":
         from radixflow.services.bench.shared_prefix import run_shared_prefix
-        out = run_shared_prefix(model, a.preamble, a.suffix, a.requests, a.output_tokens, a.first_alone)
+        out = run_shared_prefix(model, a.preamble, a.suffix, a.requests, a.output_tokens, a.first_alone, a.against)
     else:
         print(f"unknown benchmark {a.which!r}", file=sys.stderr)
         return 2
@@ -273,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=256, help="serve random: mean prompt tokens")
     p.add_argument("--output-len", type=int, default=32, help="serve: mean output tokens (agent: exact)")
     p.add_argument("--fanout", type=int, default=8, help="serve agent: calls per program")
-    p.add_argument("--against", default=None, help="serve: also run the load on this OpenAI-compatible server URL")
+    p.add_argument("--against", default=None,
+                   help="serve, shared-prefix: also run the workload on this OpenAI-compatible server URL")
     p.add_argument("--plot", default=None, help="serve: write throughput and TTFT curves to this PNG")
     p.set_defaults(fn=cmd_bench)
     a = ap.parse_args(argv)
