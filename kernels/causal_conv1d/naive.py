@@ -92,7 +92,8 @@ def causal_conv1d_update_depths(
     """A few consecutive tokens for each of N sequences, rows laid out depth-major (a decode step
     with jump-forward drafts): depth d's rows are the next counts[d] rows and belong to sequences
     0 .. counts[d]-1 (counts non-increasing, counts[0] = N). The same as causal_conv1d_update
-    called depth by depth on state[:counts[d]], as one convolution over each sequence's window.
+    called depth by depth on state[:counts[d]], computed for all depths at once over each sequence's
+    inputs (its state, then its rows).
 
     Args:
         x: [T, C], T = sum(counts)
@@ -104,20 +105,28 @@ def causal_conv1d_update_depths(
             but the last (views of a new tensor, not of `state`)
     """
     N, C, Wm1 = state.shape
-    D, dev = len(counts), x.device
-    # row r (depth-major) is sequence i at depth d: it sits at i * D + d of the [N, D] grid
-    at = torch.tensor([i * D + d for d, n in enumerate(counts) for i in range(n)], device=dev)
-    grid = torch.zeros(N * D, C, dtype=torch.float32, device=dev)
-    grid[at] = x.float()
-    window = torch.cat([state.float(), grid.view(N, D, C).transpose(1, 2)], dim=-1)   # [N, C, W-1+D]
-    y = F.conv1d(window, weight.float().unsqueeze(1), groups=C)                       # [N, C, D]
-    out = _activate(y, activation).transpose(1, 2).reshape(N * D, C)[at].to(x.dtype)
-    saved = [window[: counts[d + 1], :, d + 1: d + 1 + Wm1] for d in range(D - 1)]
-    # sequence i ran L_i = #{d: counts[d] > i} depths: its state is window[i, :, L_i : L_i + W-1]
-    if counts[-1] == N:
-        state.copy_(window[..., D:])
-    else:
-        last = torch.tensor([sum(1 for n in counts if n > i) for i in range(N)], device=dev)
-        idx = (last[:, None] + torch.arange(Wm1, device=dev))[:, None, :].expand(N, C, Wm1)
-        state.copy_(window.gather(-1, idx))
+    D = len(counts)
+    # each sequence's inputs oldest first, time-major so that every op below runs along C:
+    # [N, W-1+D, C], the carried state then one column per depth (zeros past a sequence's last)
+    hist = state.new_zeros(N, Wm1 + D, C, dtype=torch.float32)
+    hist[:, :Wm1] = state.transpose(1, 2)
+    offsets = [0]
+    for d, n in enumerate(counts):
+        hist[:n, Wm1 + d] = x[offsets[-1]: offsets[-1] + n]
+        offsets.append(offsets[-1] + n)
+    wt = weight.float().t()                                                 # [W, C]
+    y = hist[:, :D] * wt[0]                                                 # [N, D, C]
+    for j in range(1, Wm1 + 1):
+        y.addcmul_(hist[:, j: j + D], wt[j])
+    y = _activate(y, activation).to(x.dtype)
+    out = torch.empty_like(x)
+    for d, n in enumerate(counts):
+        out[offsets[d]: offsets[d + 1]] = y[:n, d]
+    saved = [hist[: counts[d + 1], d + 1: d + 1 + Wm1].transpose(1, 2) for d in range(D - 1)]
+    # sequence i ran L_i = #{d: counts[d] > i} depths: its state is hist[i, L_i : L_i + W-1], so the
+    # sequences of each run length (a contiguous range, counts being non-increasing) take one copy
+    for d in range(D):
+        lo = counts[d + 1] if d + 1 < D else 0
+        if counts[d] > lo:
+            state[lo: counts[d]] = hist[lo: counts[d], d + 1: d + 1 + Wm1].transpose(1, 2)
     return out, saved

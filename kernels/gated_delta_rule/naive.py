@@ -79,6 +79,29 @@ def _step(q, k, v, g, beta, state):
     return (q.unsqueeze(-2) @ state).squeeze(-2)  # [N, H, V]
 
 
+def _decode_step(q, k, v, g, beta, state, new=None):
+    """_step arranged for fewer passes over the state (what decode is made of at a small batch):
+    both reads, S^T q and S^T k, in one batched matmul over the old state; the output from them
+    (S_t = e^g S + k delta^T, so o = e^g S^T q + (q.k) delta); the write as one scale and one
+    rank-1 update. The new state goes into `new` ([N, H, K, V], contiguous), or into `state` in
+    place when None; `state` must be contiguous.
+    """
+    N, H, K = k.shape
+    V = v.shape[-1]
+    eg = g.exp()                                                                  # [N, H]
+    S = state.view(N * H, K, V)
+    m = torch.bmm(torch.stack([q, k], dim=-2).view(N * H, 2, K), S).view(N, H, 2, V)
+    m = m * eg[..., None, None]
+    delta = (v - m[:, :, 1]) * beta[..., None]                                    # [N, H, V]
+    o = m[:, :, 0] + (q * k).sum(-1, keepdim=True) * delta
+    if new is None:
+        new = state.mul_(eg[..., None, None])
+    else:
+        torch.mul(state, eg[..., None, None], out=new)
+    new.view(N * H, K, V).baddbmm_(k.reshape(N * H, K, 1), delta.reshape(N * H, 1, V))
+    return o
+
+
 def gated_delta_rule_decode(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -102,12 +125,12 @@ def gated_delta_rule_decode(
     group = _group(k.shape[-2], v.shape[-2])
     q, k = _prepare_qk(q, k, use_qk_l2norm)
     q, k = _expand_heads(q, group), _expand_heads(k, group)  # [N, Hv, K]
-    if state.dtype == torch.float32:
-        o = _step(q, k, v.float(), g.float(), beta.float(), state)
+    if state.dtype == torch.float32 and state.is_contiguous():
+        o = _decode_step(q, k, v.float(), g.float(), beta.float(), state)
     else:
         # keep the math in fp32 even for a low-precision pool, then write back
-        work = state.float()
-        o = _step(q, k, v.float(), g.float(), beta.float(), work)
+        work = state.float().contiguous()
+        o = _decode_step(q, k, v.float(), g.float(), beta.float(), work)
         state.copy_(work)
     return o.to(out_dtype)
 
@@ -141,13 +164,20 @@ def gated_delta_rule_decode_depths(
     q, k = _expand_heads(q, group), _expand_heads(k, group)
     v, g, beta = v.float(), g.float(), beta.float()
     o = torch.empty_like(v)
-    saved, s = [], 0
+    # out of place, depth by depth: depth d writes the states of its n_d sequences into a new
+    # tensor, so the states after every depth stay as they are (`saved`) without a copy each
+    cur, ends, s = state.float().contiguous(), [], 0
     for d, n in enumerate(counts):
-        o[s:s + n] = _step(q[s:s + n], k[s:s + n], v[s:s + n], g[s:s + n], beta[s:s + n], state[:n])
-        s += n
-        if d + 1 < len(counts):
-            saved.append(state[: counts[d + 1]].clone())
-    return o.to(out_dtype), saved
+        nxt = cur.new_empty(n, *cur.shape[1:])
+        o[s:s + n] = _decode_step(q[s:s + n], k[s:s + n], v[s:s + n], g[s:s + n], beta[s:s + n], cur[:n], nxt)
+        ends.append(nxt)
+        cur, s = nxt, s + n
+    # sequence i ends after depth L_i - 1 (L_i = #{d: counts[d] > i}): one copy per run length
+    for d, n in enumerate(counts):
+        lo = counts[d + 1] if d + 1 < len(counts) else 0
+        if n > lo:
+            state[lo:n] = ends[d][lo:n]
+    return o.to(out_dtype), [ends[d][: counts[d + 1]] for d in range(len(counts) - 1)]
 
 
 def recurrent_gated_delta_rule(

@@ -73,7 +73,7 @@ async def _compile(model: str, repeats: int) -> dict:
             "blob_bytes_zlib": len(blob), "blob_bytes": len(zlib.decompress(blob))}, blob
 
 
-def _decode(model: str, blob: bytes, batch: int, new_tokens: int) -> dict:
+def _decode(model: str, blob: bytes, batch: int, new_tokens: int, rounds: int) -> dict:
     from radixflow.services.executor.engine import Engine, EngineConfig
     from radixflow.services.grammar.backends import make
     from radixflow.shared.messages import ExecRequest, SamplingParams
@@ -105,25 +105,31 @@ def _decode(model: str, blob: bytes, batch: int, new_tokens: int) -> dict:
     for e in (plain, jumping):                            # warm up every path
         run(e, False)
         run(e, True)
-    # interleaved rounds, so that a machine slowing down or speeding up meanwhile skews no side
+    # interleaved rounds, so that a machine slowing down or speeding up meanwhile skews no side; the
+    # ratios are the medians of each round's own (paired) ratios, steadier than a ratio of medians
+    # where the machine's speed drifts by tens of percent from one round to the next
     frees, constraineds, jf = [], [], []
-    for _ in range(3):
+    for _ in range(rounds):
         frees.append(run(plain, False)[0])
         constraineds.append(run(plain, True)[0])
         jf.append(run(jumping, True))
     free, constrained = statistics.median(frees), statistics.median(constraineds)
     jf_tok_s = statistics.median(r[0] for r in jf)
     st = jumping.stats()
-    return {"batch": batch, "unconstrained_tok_s": round(free, 1), "json_schema_tok_s": round(constrained, 1),
-            "constrained_vs_unconstrained": round(constrained / free, 3),
+
+    def paired(a: list[float], b: list[float]) -> float:
+        return round(statistics.median(x / y for x, y in zip(a, b)), 3)
+    jfs = [r[0] for r in jf]
+    return {"batch": batch, "rounds": rounds, "unconstrained_tok_s": round(free, 1), "json_schema_tok_s": round(constrained, 1),
+            "constrained_vs_unconstrained": paired(constraineds, frees),
             "json_schema_jump_forward_tok_s": round(jf_tok_s, 1),
-            "jump_forward_vs_unconstrained": round(jf_tok_s / free, 3),
-            "jump_forward_vs_constrained": round(jf_tok_s / constrained, 3),
+            "jump_forward_vs_unconstrained": paired(jfs, frees),
+            "jump_forward_vs_constrained": paired(jfs, constraineds),
             "jump_forward_tokens_per_row_step": round(statistics.median(r[1] for r in jf), 3),
             "jump_forward_max_draft": JUMP_FORWARD, "jump_forward_drafted": st["jump_forward_drafted_total"], "jump_forward_kept": st["jump_forward_kept_total"]}
 
 
-def run_structured(model: str, repeats: int = 200, batch: int = 16, new_tokens: int = 256) -> dict:
+def run_structured(model: str, repeats: int = 200, batch: int = 16, new_tokens: int = 256, rounds: int = 5) -> dict:
     compile_stats, _ = asyncio.run(_compile(model, repeats))
 
     async def decode_blob():
@@ -136,4 +142,4 @@ def run_structured(model: str, repeats: int = 200, batch: int = 16, new_tokens: 
         finally:
             await c.stop()
     blob = asyncio.run(decode_blob())
-    return {"model": model, "compile": compile_stats, "decode": _decode(model, blob, batch, new_tokens)}
+    return {"model": model, "compile": compile_stats, "decode": _decode(model, blob, batch, new_tokens, rounds)}

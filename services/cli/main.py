@@ -168,7 +168,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         out = run_latency(model, a.prompt_len, a.repeats)
     elif a.which == "structured":
         from radixflow.services.bench.structured import run_structured
-        out = run_structured(model, batch=16)
+        out = run_structured(model, batch=16, rounds=a.rounds)
     elif a.which == "program":
         from radixflow.services.bench.program import run_program
         models = [resolve_model(m) for m in (a.model.split(",") if a.model else ["tiny-dense", "tiny-hybrid"])]
@@ -261,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=5, help="structured: interleaved decode rounds (ratios: medians of each round's)")
     p.add_argument("--vocab", type=int, default=151936, help="sampler: vocabulary size (default: Qwen3's)")
     p.add_argument("--rows", type=int, default=64, help="sampler: sequences in the step")
     p.add_argument("--mode", choices=("random", "agent"), default="random",
