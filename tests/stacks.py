@@ -17,11 +17,13 @@ async def start(model: str, **over) -> Stack:
     st.nats = nats
     st.base = f"http://127.0.0.1:{st.actors['gateway'].port}"
     st.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
-    for _ in range(200):
+    for _ in range(600):      # ready once the grammar workers have booted (seconds on 2 cores)
         async with st.http.get(st.base + "/health") as r:
             if r.status == 200:
                 break
         await asyncio.sleep(0.1)
+    else:
+        raise RuntimeError("stack not healthy in 60 s")
     return st
 
 

@@ -21,7 +21,7 @@ async def stack(nats_server, models):
     st = await Stack(cfg).start()
     base = f"http://127.0.0.1:{st.actors['gateway'].port}"
     async with aiohttp.ClientSession() as s:
-        for _ in range(100):
+        for _ in range(600):
             async with s.get(base + "/health") as r:
                 if r.status == 200:
                     break

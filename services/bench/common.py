@@ -96,11 +96,13 @@ async def served(model: str, **overrides):
         stack = await Stack(stack_config(nats.url, model, gw_port=0, **overrides)).start()
         base = f"http://127.0.0.1:{stack.actors['gateway'].port}"
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as http:
-            for _ in range(200):
+            for _ in range(1200):       # up to a minute: ready once the grammar workers have booted
                 async with http.get(base + "/health") as r:
                     if r.status == 200:
                         break
                 await asyncio.sleep(0.05)
+            else:
+                raise RuntimeError("the stack did not become healthy in 60 s")
             try:
                 yield stack, http, base
             finally:

@@ -56,7 +56,7 @@ def request_flops(spec: ModelSpec, prompt_tokens: int, cached_tokens: int, outpu
     return total
 
 
-def gemm_peak(spec: ModelSpec, rows: int = 1024, repeats: int = 5) -> float:
+def gemm_peak(spec: ModelSpec, rows: int = 1024, repeats: int = 40) -> float:
     """Best FLOP/s of the model dtype's matmuls at the model's projection shapes, [rows, in] x
     [in, out], measured here. Run it in a process of its own when the caller also serves
     (bench/common.EngineHost says why)."""
@@ -67,7 +67,8 @@ def gemm_peak(spec: ModelSpec, rows: int = 1024, repeats: int = 5) -> float:
     best = 0.0
     for k, n in shapes:
         a, b = torch.randn(rows, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-        torch.matmul(a, b)                                   # first call: allocation, kernel choice
+        for _ in range(3):                                   # first calls: allocation, kernel choice, clocks
+            torch.matmul(a, b)
         for _ in range(repeats):
             t0 = time.perf_counter()
             torch.matmul(a, b)

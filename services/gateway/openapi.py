@@ -34,7 +34,7 @@ def _bodies() -> None:
         ("get", "/v1/programs/{id}", "programs", "A program's state and node results", None),
         ("delete", "/v1/programs/{id}", "programs", "Cancel a program", None),
         ("delete", "/v1/programs/{id}/nodes/{node}", "programs", "Cancel a node and its dependents", None),
-        ("get", "/health", "operations", "200 when every service answers and a model is served", None),
+        ("get", "/health", "operations", "200 when every service answers, a model is served and the grammar workers have started", None),
         ("get", "/metrics", "operations", "Prometheus text of every instance", None),
         ("get", "/v1/memory", "operations", "Realized KV and state memory of every executor", None),
         ("post", "/flush_cache", "operations", "Empty the caller's cached pages (all: admin)", FlushBody),

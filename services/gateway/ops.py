@@ -17,8 +17,9 @@ from .app import BUS, CLIENT, CONFIG, DRAINING, KEYS, principal
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 only when every service answers its status request and an executor is serving a model
-    (known to both the scheduler and this gateway, so a request sent now can run)."""
+    """200 only when every service answers its status request, an executor is serving a model
+    (known to both the scheduler and this gateway, so a request sent now can run) and the grammar
+    service's compile workers have started."""
     bus, cfg = request.app[BUS], request.app[CONFIG]
 
     async def ask(service: str) -> StatusReply | None:
@@ -31,6 +32,9 @@ async def health(request: web.Request) -> web.Response:
     ok = {n: r is not None for n, r in replies.items()}
     ok["scheduler"] = ok["scheduler"] and bool(replies["scheduler"].detail.get("executors"))
     ok["executor"] = ok["executor"] and bool(request.app[CLIENT].models())
+    # the grammar service answers at once but boots its compile workers in the background, seconds
+    # of CPU on every core: ready only after, or the first requests' model steps run beside them
+    ok["grammar"] = ok["grammar"] and not replies["grammar"].detail.get("workers_booting", 0)
     ok["gateway"] = not request.app[DRAINING].is_set()
     healthy = all(ok.values())
     return web.json_response({"status": "ok" if healthy else "unavailable", "services": ok}, status=200 if healthy else 503)

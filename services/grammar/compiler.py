@@ -105,6 +105,7 @@ class Compiler:
         self.coalesced = 0        # requests that waited on another request's compile
         self._idle: asyncio.Queue[Worker] = asyncio.Queue()
         self._workers: set[Worker] = set()
+        self._booting = 0         # workers of the first start not yet up (workers_booting)
         self._inflight: dict[str, asyncio.Future] = {}
         self._started: dict[str, asyncio.Event] = {}   # in-flight job -> set once a worker runs it
         # key -> (400 message, expiry, its class): a resent bad or hostile grammar is refused at
@@ -128,8 +129,9 @@ class Compiler:
         if wait_workers:
             await asyncio.gather(*(self._add_worker() for _ in range(self.n_workers)))
         else:
+            self._booting = self.n_workers
             for _ in range(self.n_workers):
-                self._spawn_worker()
+                self._spawn_worker(first=True)
 
     async def stop(self) -> None:
         self._closed = True
@@ -162,20 +164,34 @@ class Compiler:
         self._workers.discard(dead)
         self._spawn_worker()
 
-    def _spawn_worker(self) -> None:
+    def _spawn_worker(self, first: bool = False) -> None:
         async def respawn() -> None:
+            nonlocal first
             delay = 0.5
-            while not self._closed:
-                try:
-                    await self._add_worker()
-                    return
-                except WorkerDied as e:   # keep trying: without workers nothing compiles
-                    _log.error("grammar worker failed to start; retrying", error=str(e), retry_s=delay)
-                    await asyncio.sleep(delay)
-                    delay = min(2 * delay, 30.0)
+            try:
+                while not self._closed:
+                    try:
+                        await self._add_worker()
+                        return
+                    except WorkerDied as e:   # keep trying: without workers nothing compiles
+                        _log.error("grammar worker failed to start; retrying", error=str(e), retry_s=delay)
+                        if first:         # booted, if badly: readiness stops waiting for this one
+                            self._booting, first = self._booting - 1, False
+                        await asyncio.sleep(delay)
+                        delay = min(2 * delay, 30.0)
+            finally:
+                if first:
+                    self._booting -= 1
         task = asyncio.ensure_future(respawn())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    @property
+    def workers_booting(self) -> int:
+        """Workers of the first start still starting: each is a process importing both engines and
+        building their tokenizer state, seconds of CPU that would slow a model running meanwhile
+        (so the gateway's /health waits for them)."""
+        return self._booting
 
     @property
     def workers_ready(self) -> int:
@@ -433,5 +449,5 @@ class Compiler:
     def stats(self) -> dict:
         return {**self.cache.stats(), "compiles": self.compiles, "failures": self.failures, "refused": len(self._refused),
                 "timeouts": self.timeouts, "coalesced": self.coalesced, "workers_alive": self.workers_alive,
-                "workers_idle": self.workers_ready, "deadline_s": self.deadline_s, "backend": self.backend,
+                "workers_booting": self._booting, "workers_idle": self.workers_ready, "deadline_s": self.deadline_s, "backend": self.backend,
                 "max_blob_bytes": self.max_blob_bytes}
