@@ -32,6 +32,7 @@ class ExecutorConfig:
     device: str = "auto"              # auto | cpu | cuda | cuda:N
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192    # token budget of one prefill step
+    mixed_chunk_tokens: int = 2048    # a prefill step that carries decode rows: tokens in all (0: never mixed)
     page_size: int = 16
     max_total_tokens: int = 0         # KV pool size in tokens; 0 = from mem_fraction, or sized from max_model_len
     mem_fraction: float = 0.0         # > 0: the pools take this share of free device memory, less the weights

@@ -164,3 +164,48 @@ def test_engine_greedy_equals_transformers_generate(engine):
     more, _, _ = run(engine, [req(f"p{i}", p, max_new_tokens=12, ignore_eos=True) for i, p in enumerate(prompts)])
     assert got["p0"] == want[0]
     assert [more[f"p{i}"] for i in range(3)] == want
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-hybrid"])
+def test_mixed_prefill_decode_steps_change_no_output_and_keep_decoding(models, name):
+    """Long prompts arrive while short requests decode. With mixed steps (chunked prefill carrying a
+    row of every decoding request) the decoding requests get a token in every step while the long
+    prompts prefill; without, they wait for whole prefill steps. Greedy tokens are the same."""
+    def engine(mixed: int) -> Engine:
+        return Engine(EngineConfig(model=models[name], page_size=16, max_total_tokens=16384, max_running_requests=8,
+                                   max_prefill_tokens=2048, mixed_chunk_tokens=mixed))
+    shared = prompt(99, 600)
+    short = [req(f"s{i}", prompt(i, 20), max_new_tokens=24, ignore_eos=True) for i in range(3)]
+    long = [req("l0", prompt(50, 1200), max_new_tokens=4, ignore_eos=True),
+            req("l1", shared + prompt(51, 300), max_new_tokens=4, ignore_eos=True),
+            req("l2", shared + prompt(52, 250), max_new_tokens=4, ignore_eos=True)]
+    results = {}
+    for mixed in (256, 0):
+        e = engine(mixed)
+        for r in short:
+            e.add(r)
+        out: dict[str, list[int]] = {}
+        done: set[str] = set()
+        waits = 0        # steps in which a running short request got no token
+        step = 0
+        while e.has_work():
+            if step == 3:
+                for r in long:
+                    e.add(r)
+            got = set()
+            for _, o in e.step():
+                out.setdefault(o.rid, []).extend(o.token_ids)
+                got.add(o.rid)
+                if o.finished:
+                    done.add(o.rid)
+            if step >= 3:
+                waits += sum(1 for r in short if r.rid not in done and r.rid not in got)
+            step += 1
+        assert no_leak(e)
+        results[mixed] = (out, waits, e.mixed_steps)
+    (on, on_waits, on_mixed), (off, off_waits, off_mixed) = results[256], results[0]
+    assert on == off and all(len(on[r.rid]) == 24 for r in short) and all(len(on[r.rid]) == 4 for r in long)
+    assert on_mixed >= 3 and off_mixed == 0
+    # without mixing the short requests wait out the prefill steps (the admission step, where the
+    # long prompts join, may still be a decode of the short ones); with it, never
+    assert on_waits == 0 and off_waits >= 2

@@ -43,6 +43,9 @@ def _serving_args(p: argparse.ArgumentParser) -> None:
                         "(when --max-total-tokens is not given)")
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--max-prefill-tokens", type=int, default=None)
+    p.add_argument("--mixed-chunk-tokens", type=int, default=None,
+                   help="while requests decode, prefill runs in chunks of at most this many tokens, each "
+                        "step also carrying one token of every decoding request (default 2048; 0: off)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--disable-radix-cache", action="store_true", default=None)
     p.add_argument("--state-slots", type=int, default=None, help="hybrid models: DeltaNet state slots")
@@ -61,7 +64,8 @@ def _overrides(a: argparse.Namespace) -> dict:
     return dict(ex_served_model_name=a.served_model_name, ex_device=a.device, ex_page_size=a.page_size,
                 ex_max_total_tokens=a.max_total_tokens, ex_mem_fraction=a.mem_fraction,
                 ex_max_running_requests=a.max_running_requests,
-                ex_max_prefill_tokens=a.max_prefill_tokens, ex_max_model_len=a.max_model_len,
+                ex_max_prefill_tokens=a.max_prefill_tokens,
+                ex_mixed_chunk_tokens=a.mixed_chunk_tokens, ex_max_model_len=a.max_model_len,
                 ex_disable_radix_cache=a.disable_radix_cache, ex_state_slots=a.state_slots,
                 ex_checkpoint_interval=a.checkpoint_interval, gw_host=a.host, gw_port=a.port,
                 gw_api_keys=tuple(a.api_key) if a.api_key else None, gw_auth_file=a.auth_file, sc_request_timeout_s=a.request_timeout,

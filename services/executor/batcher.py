@@ -7,7 +7,8 @@ Admission is decided by the page authority (radix): longest cached prefix first,
 pages for the prompt plus every token the request may generate reserved up front, so a running
 request never needs a page mid-flight. Each step is either a prefill (chunks of prefilling
 sequences under the token budget, cut at planned state checkpoints) or a decode of every
-sequence past its prompt.
+sequence past its prompt. While some sequences decode and others prefill, a prefill step is a
+mixed one: a smaller chunk budget (mixed_chunk_tokens) and one row for each decoding sequence.
 """
 from __future__ import annotations
 
@@ -33,14 +34,17 @@ class Plan:
     is_decode: bool
     seqs: list[Sequence]
     extend_lens: list[int]
+    mixed: bool = False      # a prefill step that also carries decode rows (one token each, at the end)
 
 
 class Batcher:
-    def __init__(self, *, pool: str, max_running: int, max_prefill_tokens: int, max_candidates: int = 128,
+    def __init__(self, *, pool: str, max_running: int, max_prefill_tokens: int, mixed_chunk_tokens: int = 0,
+                 max_candidates: int = 128,
                  max_candidate_tokens: int = candidate_tokens(1 << 17)):
         self.pool = pool
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
+        self.mixed_chunk_tokens = mixed_chunk_tokens
         self.max_candidates = max_candidates
         self.max_candidate_tokens = max_candidate_tokens
         self.waiting: deque[Sequence] = deque()
@@ -113,6 +117,13 @@ class Batcher:
 
     def schedule(self) -> Plan | None:
         prefill, budget = [], self.max_prefill_tokens
+        decoding = [s for s in self.running if s.computed_len >= s.prompt_len]
+        mixed = bool(self.mixed_chunk_tokens and decoding and len(decoding) < len(self.running))
+        if mixed:
+            # chunked prefill beside decode rows: the step's tokens stay within the mixed budget (its
+            # decode rows included, at least one prefill token), so a decoding request waits one
+            # bounded step per token, not a whole prompt's prefill
+            budget = max(min(self.mixed_chunk_tokens, budget) - len(decoding), 1)
         for s in self.running:
             if s.computed_len < s.prompt_len and budget > 0:
                 n = min(s.prompt_len - s.computed_len, budget)
@@ -121,6 +132,11 @@ class Batcher:
                 n = min([n] + ahead)
                 prefill.append((s, n))
                 budget -= n
+        if prefill and mixed:
+            for s in decoding:
+                s.draft = []      # a jump-forward draft is verified by decode steps only
+            return Plan(False, [s for s, _ in prefill] + decoding, [n for _, n in prefill] + [1] * len(decoding),
+                        mixed=True)
         if prefill:
             return Plan(False, [s for s, _ in prefill], [n for _, n in prefill])
         if self.running:

@@ -40,6 +40,11 @@ class EngineConfig:
     max_model_len: int = 0           # 0: the model's max_position_embeddings
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192
+    # Chunked prefill with decode rows (vLLM's and SGLang's mixed chunk): while some requests decode,
+    # a prefill step takes at most this many tokens in all and carries one token of every decoding
+    # request, so they keep producing tokens while a long prompt is prefilled instead of waiting
+    # for all of it; 0: a prefill step never carries decode rows
+    mixed_chunk_tokens: int = 2048
     disable_radix_cache: bool = False
     pool: str = "local"
     state_slots: int = 0             # hybrid: DeltaNet state slots; 0: 2 per running request + 64 checkpoints
@@ -79,7 +84,7 @@ class Engine:
                                        checkpoint_interval=cfg.checkpoint_interval or cfg.max_prefill_tokens)
         self.pages.register(self._register)
         self.batcher = Batcher(pool=cfg.pool, max_running=cfg.max_running_requests,
-                               max_prefill_tokens=cfg.max_prefill_tokens,
+                               max_prefill_tokens=cfg.max_prefill_tokens, mixed_chunk_tokens=cfg.mixed_chunk_tokens,
                                max_candidate_tokens=candidate_tokens(self.spec.vocab_size))
         self._lock = threading.Lock()
         self._new: list[Sequence] = []
@@ -89,6 +94,7 @@ class Engine:
         self._live: dict[str, Sequence] = {}
         self._last_arrival = 0.0
         self.steps = 0
+        self.mixed_steps = 0     # prefill steps that carried decode rows
         self.counters = {"prompt_tokens_total": 0, "cached_tokens_total": 0, "prefill_tokens_computed_total": 0,
                          "generated_tokens_total": 0, "requests_total": 0}
         # for /metrics: a step's model time (runner and output handling) by phase, and how long a
@@ -227,6 +233,7 @@ class Engine:
             return outs + [self._error(s, 500, f"internal error in a model step: {type(e).__name__}: {e}")
                            for s in plan.seqs]
         self.steps += 1
+        self.mixed_steps += plan.mixed
         outs += self._postprocess(plan, toks)
         self.step_seconds["decode" if plan.is_decode else "prefill"].observe(time.perf_counter() - t0)
         return outs
@@ -286,23 +293,24 @@ class Engine:
         ps = self.page_size
         for i, (seq, ext) in enumerate(zip(plan.seqs, plan.extend_lens)):
             new = toks.get(i, [])
+            before = seq.computed_len
+            decoding = before >= seq.prompt_len       # a decode step's row, or a decode row of a mixed step
             if plan.is_decode:
                 ext = max(len(new), 1)    # the pending token, and each kept draft token, were computed
-            before = seq.computed_len
             seq.computed_len += ext
             if state is not None:
                 # the working state now summarizes exactly computed_len tokens: copy it out where planned
                 slot = seq.checkpoints.get(seq.computed_len)
                 if slot is not None:
                     state.copy(seq.state_slot, slot)
-                elif plan.is_decode and seq.tail_slot >= 0 and seq.computed_len // ps > before // ps:
+                elif decoding and seq.tail_slot >= 0 and seq.computed_len // ps > before // ps:
                     boundary = seq.computed_len // ps * ps
                     if boundary == seq.computed_len:
                         state.copy(seq.state_slot, seq.tail_slot)
                     else:   # crossed inside a step with a draft: the state as it was at the boundary
                         self.runner.state_after(seq.rid, boundary - before - 1, seq.tail_slot)
                     seq.tail_pos = boundary
-            if not plan.is_decode:
+            if not decoding:
                 self.counters["prefill_tokens_computed_total"] += ext
                 if self.cache and seq.computed_len <= seq.prompt_len:
                     self.batcher.progress.append(Progress(rid=seq.rid, computed=seq.computed_len))

@@ -44,10 +44,24 @@ class ForwardBatch:
     rows_of: list[list[int]] | None = None         # plan sequence -> its rows, by depth
     order_pos: dict[str, int] | None = None        # request id -> its sequence's place in that order
     saved: list = field(default_factory=list)      # per DeltaNet layer: ([conv state after depth d], [recurrent ...])
+    _singles: tuple | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.extend_lens)
+
+    def single_rows(self) -> tuple[list[int], torch.Tensor, list[int]]:
+        """Prefill: the sequences with one new token when there are several (a mixed step's decode
+        rows, which DeltaNet layers run batched), their rows, and the other sequences."""
+        if self._singles is None:
+            ones = [i for i, e in enumerate(self.extend_lens) if e == 1]
+            if len(ones) < 2:
+                ones = []
+            starts = [s for s, _ in self.bounds()]
+            rows = torch.tensor([starts[i] for i in ones], dtype=torch.int64, device=self.input_ids.device)
+            taken = set(ones)
+            self._singles = (ones, rows, [i for i in range(len(self.extend_lens)) if i not in taken])
+        return self._singles
 
     def bounds(self) -> list[tuple[int, int]]:
         """[start, end) of each sequence's rows in the packed axis."""

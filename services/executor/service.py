@@ -62,6 +62,7 @@ class ExecutorService(Actor):
                             max_total_tokens=cfg.max_total_tokens, mem_fraction=cfg.mem_fraction,
                             max_model_len=cfg.max_model_len,
                             max_running_requests=cfg.max_running_requests, max_prefill_tokens=cfg.max_prefill_tokens,
+                            mixed_chunk_tokens=cfg.mixed_chunk_tokens,
                             disable_radix_cache=cfg.disable_radix_cache, pool=self.instance,
                             burst_gap_s=cfg.burst_gap_s, burst_wait_s=cfg.burst_wait_s,
                             jump_forward=cfg.jump_forward,

@@ -51,7 +51,14 @@ class GatedDeltaNet(nn.Module):
             conv[slots] = conv_state
         else:
             out = torch.empty_like(mixed)
-            for (s, e), slot in zip(batch.bounds(), slots.tolist()):
+            ones, rows, rest = batch.single_rows()
+            if ones:   # one-token sequences (a mixed step's decode rows): batched, as in a decode step
+                conv_state = conv[slots[ones]]
+                out[rows] = causal_conv1d_update(mixed[rows], conv_state, self.conv_weight)
+                conv[slots[ones]] = conv_state
+            bounds, slot_list = batch.bounds(), slots.tolist()
+            for i in rest:
+                (s, e), slot = bounds[i], slot_list[i]
                 y, final = causal_conv1d(mixed[s:e].T, self.conv_weight, conv[slot])
                 out[s:e] = y.T
                 conv[slot] = final
@@ -70,7 +77,14 @@ class GatedDeltaNet(nn.Module):
             rec[slots] = state
         else:
             o = torch.empty_like(v)
-            for (s, e), slot in zip(batch.bounds(), slots.tolist()):
+            ones, rows, rest = batch.single_rows()
+            if ones:
+                state = rec[slots[ones]]
+                o[rows] = gated_delta_rule_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], state)
+                rec[slots[ones]] = state
+            bounds, slot_list = batch.bounds(), slots.tolist()
+            for i in rest:
+                (s, e), slot = bounds[i], slot_list[i]
                 oi, final = chunk_gated_delta_rule(q[None, s:e], k[None, s:e], v[None, s:e], g[None, s:e],
                                                    beta[None, s:e], initial_state=rec[slot][None])
                 o[s:e] = oi[0]
