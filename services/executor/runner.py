@@ -116,6 +116,34 @@ class ModelRunner:
         one token attending to everything before it: fb.rows_of says which row is which."""
         if plan.is_decode:
             return self._build_decode(plan), list(range(len(plan.seqs))), []
+        if plan.mixed:
+            return self._build_mixed(plan)
+        return self._build_prefill(plan)
+
+    def _build_mixed(self, plan: Plan) -> tuple[ForwardBatch, list[int], list[tuple[int, int]]]:
+        """A prefill step whose last sequences are decode rows, one token each: the rows run through
+        the model together, but attention takes the two parts apart (fb.prefill_part, fb.decode_part)
+        so that the decode rows keep the decode kernels (one batched read of each shared prefix)."""
+        n = sum(1 for s in plan.seqs if s.computed_len < s.prompt_len)
+        pre, want, lp = self._build_prefill(Plan(False, plan.seqs[:n], plan.extend_lens[:n]))
+        dec = self._build_decode(Plan(True, plan.seqs[n:], [1] * (len(plan.seqs) - n)))
+        rows = pre.logits_rows.tolist()
+        P, D = pre.input_ids.shape[0], dec.input_ids.shape[0]
+        sampled = rows[:len(want)] + list(range(P, P + D))
+        fb = ForwardBatch(
+            is_decode=False,
+            input_ids=torch.cat([pre.input_ids, dec.input_ids]),
+            positions=torch.cat([pre.positions, dec.positions]),
+            out_slots=torch.cat([pre.out_slots, dec.out_slots]),
+            prefix_lens=pre.prefix_lens + dec.prefix_lens,
+            extend_lens=pre.extend_lens + dec.extend_lens,
+            seq_slots=pre.seq_slots + dec.seq_slots,
+            state_slots=torch.cat([pre.state_slots, dec.state_slots]),
+            logits_rows=torch.tensor(sampled + rows[len(want):], dtype=torch.int64, device=self.device))
+        fb.prefill_part, fb.decode_part = pre, dec
+        return fb, want + list(range(n, len(plan.seqs))), lp
+
+    def _build_prefill(self, plan: Plan) -> tuple[ForwardBatch, list[int], list[tuple[int, int]]]:
         dev = self.device
         ids, pos, out_slots, seq_slots, rows, want = [], [], [], [], [], []
         lp_rows, lp = [], []

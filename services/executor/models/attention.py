@@ -39,6 +39,18 @@ class Attention(nn.Module):
         k = self.rotary(self.k_norm(k.reshape(T, self.hkv, self.d)), batch.positions)     # [T, Hkv, D]
         v = v.reshape(T, self.hkv, self.d)
         write_kv(k_cache, v_cache, batch.out_slots, k, v)
+        if batch.decode_part is not None:
+            P = batch.prefill_part.input_ids.shape[0]
+            o = torch.cat([self._attend(q[:P], batch.prefill_part, k_cache, v_cache),
+                           self._attend(q[P:], batch.decode_part, k_cache, v_cache)])
+        else:
+            o = self._attend(q, batch, k_cache, v_cache)
+        o = o.reshape(T, self.h * self.d)
+        if self.gated:
+            o = o * torch.sigmoid(gate)
+        return self.o(o)
+
+    def _attend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         if batch.groups and batch.is_decode:
             o = cascade_decode(q, k_cache, v_cache, batch.own_table, batch.own_lens, batch.groups, self.scale)
         elif batch.groups:
@@ -50,7 +62,4 @@ class Attention(nn.Module):
             o = torch.empty_like(q)
             for i, (s, e) in enumerate(batch.bounds()):
                 o[s:e] = prefill_attention(q[s:e], k_cache, v_cache, batch.seq_slots[i], batch.prefix_lens[i], self.scale)
-        o = o.reshape(T, self.h * self.d)
-        if self.gated:
-            o = o * torch.sigmoid(gate)
-        return self.o(o)
+        return o
