@@ -17,6 +17,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32 and not self.zero_centered:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)   # one fused op, the same math
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.zero_centered:
@@ -63,6 +65,7 @@ class Rotary(nn.Module):
     def __init__(self, rotary_dim: int, theta: float, max_pos: int):
         super().__init__()
         self.rotary_dim, self.theta, self.max_pos = rotary_dim, theta, max_pos
+        self._last = None
         self.materialize(torch.device("cpu"))
 
     def materialize(self, device: torch.device) -> None:
@@ -72,12 +75,20 @@ class Rotary(nn.Module):
         freqs = torch.arange(self.max_pos, dtype=torch.float, device=device)[:, None] * inv_freq[None, :]  # [P, R/2]
         emb = torch.cat([freqs, freqs], dim=-1)                                                           # [P, R]
         self.cos, self.sin = emb.cos(), emb.sin()
+        self._last = None
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at `positions`, [T, 1, R]: gathered once per step (every layer, q and k, passes
+        the same positions tensor), not twice per layer."""
+        if self._last is None or self._last[0] is not positions or self._last[1] != dtype:
+            self._last = (positions, dtype, self.cos[positions].to(dtype)[:, None, :],
+                          self.sin[positions].to(dtype)[:, None, :])
+        return self._last[2], self._last[3]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [T, H, D]
         r = self.rotary_dim
-        cos = self.cos[positions].to(x.dtype)[:, None, :]   # [T, 1, R]
-        sin = self.sin[positions].to(x.dtype)[:, None, :]
+        cos, sin = self._tables(positions, x.dtype)            # [T, 1, R]
         rot, keep = x[..., :r], x[..., r:]
         x1, x2 = rot[..., : r // 2], rot[..., r // 2:]
         rotated = torch.cat([-x2, x1], dim=-1)
