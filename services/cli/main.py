@@ -5,7 +5,7 @@
     radixflow make-model PRESET DIR [--tokenizer qwen3.5]            a tiny HF checkpoint (tiny-dense, tiny-hybrid)
     radixflow schemas [--check]                                      write (or check) schemas/*.json
     radixflow memory [CONFIG] [--prefix-tokens N --copies C --json]  cache memory: calculator, or a server's
-    radixflow bench decode|latency|shared-prefix|structured|mixed|program|sampler|schemas|serve  benchmarks beside their baselines
+    radixflow bench decode|latency|shared-prefix|scaling|structured|mixed|program|sampler|schemas|serve  benchmarks beside their baselines
     radixflow bench schemas DIR         every JSON Schema in DIR through the stack: refusals, validity, compile time
 """
 from __future__ import annotations
@@ -162,7 +162,7 @@ def _human(key: str, v) -> str:
 def cmd_bench(a: argparse.Namespace) -> int:
     import json
     from radixflow.services.bench.common import resolve_model
-    model = resolve_model(a.model or ("tiny-dense" if a.which == "shared-prefix" else "tiny-hybrid")) \
+    model = resolve_model(a.model or ("tiny-dense" if a.which in ("shared-prefix", "scaling") else "tiny-hybrid")) \
         if a.which not in ("program", "sampler") else None
     if a.which == "decode":
         from radixflow.services.bench.decode import run_decode
@@ -173,6 +173,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
     elif a.which == "structured":
         from radixflow.services.bench.structured import run_structured
         out = run_structured(model, batch=16, rounds=a.rounds)
+    elif a.which == "scaling":
+        from radixflow.services.bench.scaling import run_scaling
+        out = run_scaling(model, a.against)
     elif a.which == "mixed":
         from radixflow.services.bench.mixed import run_mixed
         out = run_mixed(model, rounds=a.rounds)
@@ -245,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_memory)
     p = sub.add_parser("bench", help="benchmarks, each beside its baseline in one run")
-    p.add_argument("which", help="decode | latency | shared-prefix | structured | mixed | program | sampler | schemas | serve")
+    p.add_argument("which", help="decode | latency | shared-prefix | scaling | structured | mixed | program | sampler | schemas | serve")
     p.add_argument("dir", nargs="?", help="schemas: a directory of *.json JSON Schemas")
     p.add_argument("--model", default=None, help="a preset (tiny-dense, tiny-hybrid) or a model directory "
                                                  "(default: tiny-dense for shared-prefix, both for program "
