@@ -162,3 +162,36 @@ def test_fork_point_checkpoint_hook(engines):
     got, meta = run(on, [req("child", y)])
     want, _ = run(off, [req("child", y)])
     assert meta["child"] == 96 and got == want       # 100 rounded down to its page boundary
+
+
+def test_padded_prefill_of_similar_sequences_equals_one_by_one(models, monkeypatch):
+    """A prefill's sequences of similar length share one padded chunked-rule call per layer (the
+    padding writes nothing into the state): the greedy tokens are those of one call per sequence."""
+    import random
+
+    from radixflow.services.executor.engine import Engine, EngineConfig
+    from radixflow.services.executor.models import deltanet
+    from radixflow.shared.messages import ExecRequest, SamplingParams
+    calls = []
+    padded = deltanet.GatedDeltaNet._rule_padded
+    monkeypatch.setattr(deltanet.GatedDeltaNet, "_rule_padded",
+                        staticmethod(lambda *a, **k: calls.append(1) or padded(*a, **k)))
+
+    def run(waste: float) -> dict[str, list[int]]:
+        monkeypatch.setattr(deltanet, "PAD_WASTE", waste)
+        e = Engine(EngineConfig(model=models["tiny-hybrid"], max_running_requests=16, burst_gap_s=0,
+                                max_total_tokens=16384))
+        rng = random.Random(0)
+        for i in range(6):
+            e.add(ExecRequest(rid=f"r{i}", input_ids=[rng.randrange(300, 4000) for _ in range(90 + 7 * i)],
+                              sampling=SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)))
+        out: dict[str, list[int]] = {}
+        while e.has_work():
+            for _, o in e.step():
+                out.setdefault(o.rid, []).extend(o.token_ids)
+        return out
+    together = run(1.25)
+    assert calls, "the padded path did not run"
+    n = len(calls)
+    alone = run(0.0)
+    assert len(calls) == n and together == alone and all(len(v) == 12 for v in together.values())

@@ -21,6 +21,11 @@ from .layers import GatedRMSNorm
 from .spec import ModelSpec
 
 
+# sequences of a prefill share one padded chunked-rule call while the padding stays under this
+# share of their tokens (else each runs alone)
+PAD_WASTE = 1.25
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -83,6 +88,10 @@ class GatedDeltaNet(nn.Module):
                 o[rows] = gated_delta_rule_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], state)
                 rec[slots[ones]] = state
             bounds, slot_list = batch.bounds(), slots.tolist()
+            lens = [bounds[i][1] - bounds[i][0] for i in rest]
+            if len(rest) > 1 and max(lens) * len(rest) <= PAD_WASTE * sum(lens):
+                self._rule_padded(q, k, v, g, beta, o, rec, [bounds[i] for i in rest], slots[rest])
+                rest = []
             for i in rest:
                 (s, e), slot = bounds[i], slot_list[i]
                 oi, final = chunk_gated_delta_rule(q[None, s:e], k[None, s:e], v[None, s:e], g[None, s:e],
@@ -91,6 +100,23 @@ class GatedDeltaNet(nn.Module):
                 rec[slot] = final[0]
         o = self.norm(o, z.reshape(T, self.hv, self.dv))
         return self.out_proj(o.reshape(T, self.value_dim))
+
+    @staticmethod
+    def _rule_padded(q, k, v, g, beta, o, rec, bounds: list[tuple[int, int]], slots: torch.Tensor) -> None:
+        """Several sequences' chunked rule as one batched call, each right-padded to the longest
+        with tokens of k = v = beta = g = 0, which neither write nor decay the state: their final
+        states are exactly those of their own tokens (agents' siblings have similar lengths)."""
+        T, dev = q.shape[0], q.device
+        L = max(e - s for s, e in bounds)
+        # row of (sequence b, position t): its packed row, or T (an appended row of zeros) past its end
+        idx = torch.full((len(bounds), L), T, dtype=torch.int64, device=dev)
+        for b, (s, e) in enumerate(bounds):
+            idx[b, : e - s] = torch.arange(s, e, device=dev)
+        pad = lambda x: torch.cat([x, x.new_zeros(1, *x.shape[1:])])[idx]
+        ob, final = chunk_gated_delta_rule(pad(q), pad(k), pad(v), pad(g), pad(beta), initial_state=rec[slots])
+        real = idx < T
+        o[idx[real]] = ob[real]
+        rec[slots] = final.to(rec.dtype)
 
     # A decode step with jump-forward drafts has several rows per sequence, one per position, all
     # on the sequence's one state slot: they run depth by depth. Depth 0 holds every sequence's row,
