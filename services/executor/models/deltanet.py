@@ -51,16 +51,12 @@ class GatedDeltaNet(nn.Module):
             batch.saved.append(saved)
             mixed = self._conv_by_depth(mixed, batch, conv, saved[0])
         elif batch.is_decode:
-            conv_state = conv[slots]                                           # [N, C, W-1] (a copy)
-            mixed = causal_conv1d_update(mixed, conv_state, self.conv_weight)  # [N, C]
-            conv[slots] = conv_state
+            mixed = self._conv_step(mixed, conv, slots)
         else:
             out = torch.empty_like(mixed)
             ones, rows, rest = batch.single_rows()
             if ones:   # one-token sequences (a mixed step's decode rows): batched, as in a decode step
-                conv_state = conv[slots[ones]]
-                out[rows] = causal_conv1d_update(mixed[rows], conv_state, self.conv_weight)
-                conv[slots[ones]] = conv_state
+                out[rows] = self._conv_step(mixed[rows], conv, slots[ones])
             bounds, slot_list = batch.bounds(), slots.tolist()
             for i in rest:
                 (s, e), slot = bounds[i], slot_list[i]
@@ -77,16 +73,12 @@ class GatedDeltaNet(nn.Module):
         if saved is not None:
             o = self._rule_by_depth(q, k, v, g, beta, batch, rec, saved[1])
         elif batch.is_decode:
-            state = rec[slots]                                                  # [N, Hv, Dk, Dv] (a copy)
-            o = gated_delta_rule_decode(q, k, v, g, beta, state)
-            rec[slots] = state
+            o = self._rule_step(q, k, v, g, beta, rec, slots)
         else:
             o = torch.empty_like(v)
             ones, rows, rest = batch.single_rows()
             if ones:
-                state = rec[slots[ones]]
-                o[rows] = gated_delta_rule_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], state)
-                rec[slots[ones]] = state
+                o[rows] = self._rule_step(q[rows], k[rows], v[rows], g[rows], beta[rows], rec, slots[ones])
             bounds, slot_list = batch.bounds(), slots.tolist()
             lens = [bounds[i][1] - bounds[i][0] for i in rest]
             if len(rest) > 1 and max(lens) * len(rest) <= PAD_WASTE * sum(lens):
@@ -100,6 +92,21 @@ class GatedDeltaNet(nn.Module):
                 rec[slot] = final[0]
         o = self.norm(o, z.reshape(T, self.hv, self.dv))
         return self.out_proj(o.reshape(T, self.value_dim))
+
+    def _conv_step(self, x: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One token of each sequence: their conv states gathered, shifted and written back."""
+        st = conv[slots]                                                      # [N, C, W-1] (a copy)
+        y = causal_conv1d_update(x, st, self.conv_weight)                      # [N, C]
+        conv[slots] = st
+        return y
+
+    @staticmethod
+    def _rule_step(q, k, v, g, beta, rec: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One token of each sequence through the rule, their states gathered and written back."""
+        st = rec[slots]                                                       # [N, Hv, Dk, Dv] (a copy)
+        o = gated_delta_rule_decode(q, k, v, g, beta, st)
+        rec[slots] = st
+        return o
 
     @staticmethod
     def _rule_padded(q, k, v, g, beta, o, rec, bounds: list[tuple[int, int]], slots: torch.Tensor) -> None:
