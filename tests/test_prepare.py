@@ -150,7 +150,7 @@ class _FakeWorker:
 async def test_compiler_compiles_the_prepared_schema_under_the_original_key():
     compiler = Compiler("/nonexistent", workers=1, backend="xgrammar")
     worker = _FakeWorker()
-    compiler._idle.put_nowait(worker)
+    compiler.pool.give(worker)
     try:
         spec = json.dumps(UNIT)
         first = await compiler.compile("json_schema", spec)

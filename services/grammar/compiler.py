@@ -36,6 +36,7 @@ from .lint import bounded_formats, prepare, widen_for_llguidance
 from .merge import Unsupported
 from .normalize import normalize
 from .tokenizer_info import tokenizer_identity
+from .pool import WorkerPool
 from .worker import CompileTimeout, Result, Worker, WorkerDied
 
 BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0)
@@ -103,19 +104,15 @@ class Compiler:
         self.failures = 0         # of those: invalid input, too large, unenforceable
         self.timeouts = 0         # of those: killed at the deadline
         self.coalesced = 0        # requests that waited on another request's compile
-        self._idle: asyncio.Queue[Worker] = asyncio.Queue()
-        self._workers: set[Worker] = set()
-        self._booting = 0         # workers of the first start not yet up (workers_booting)
         self._inflight: dict[str, asyncio.Future] = {}
         self._started: dict[str, asyncio.Event] = {}   # in-flight job -> set once a worker runs it
         # key -> (400 message, expiry, its class): a resent bad or hostile grammar is refused at
         # once instead of occupying a worker again (expiring, since a deadline also depends on the
         # load then)
         self._refused: OrderedDict[str, tuple[str, float, type[BadRequest]]] = OrderedDict()
-        self._tasks: set[asyncio.Task] = set()
         # blocking pipe waits and worker startups; lint of big schemas
         self._threads = ThreadPoolExecutor(2 * workers + 2, thread_name_prefix="grammar")
-        self._closed = False
+        self.pool = WorkerPool(self.model_dir, workers, max_threads, startup_timeout_s, self._threads)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -126,80 +123,23 @@ class Compiler:
         here, on the identity."""
         loop = asyncio.get_running_loop()
         self.identity = await loop.run_in_executor(self._threads, tokenizer_identity, self.model_dir)
-        if wait_workers:
-            await asyncio.gather(*(self._add_worker() for _ in range(self.n_workers)))
-        else:
-            self._booting = self.n_workers
-            for _ in range(self.n_workers):
-                self._spawn_worker(first=True)
+        await self.pool.start(wait=wait_workers)
 
     async def stop(self) -> None:
-        self._closed = True
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        loop = asyncio.get_running_loop()
-        await asyncio.gather(*(loop.run_in_executor(self._threads, w.close) for w in list(self._workers)),
-                             return_exceptions=True)
-        self._workers.clear()
+        await self.pool.stop()
         self._threads.shutdown(wait=False, cancel_futures=True)
-
-    def _start_worker(self) -> Worker:
-        w = Worker(self.model_dir, self.max_threads)
-        w.wait_ready(self.startup_timeout_s)
-        if self._closed:   # stopped while this thread waited: nobody else will close it
-            w.close()
-            raise WorkerDied("the compiler stopped")
-        return w
-
-    async def _add_worker(self) -> None:
-        w = await asyncio.get_running_loop().run_in_executor(self._threads, self._start_worker)
-        if self._closed:
-            w.close()
-            return
-        self._workers.add(w)
-        self._idle.put_nowait(w)
-
-    def _replace(self, dead: Worker) -> None:
-        self._workers.discard(dead)
-        self._spawn_worker()
-
-    def _spawn_worker(self, first: bool = False) -> None:
-        async def respawn() -> None:
-            nonlocal first
-            delay = 0.5
-            try:
-                while not self._closed:
-                    try:
-                        await self._add_worker()
-                        return
-                    except WorkerDied as e:   # keep trying: without workers nothing compiles
-                        _log.error("grammar worker failed to start; retrying", error=str(e), retry_s=delay)
-                        if first:         # booted, if badly: readiness stops waiting for this one
-                            self._booting, first = self._booting - 1, False
-                        await asyncio.sleep(delay)
-                        delay = min(2 * delay, 30.0)
-            finally:
-                if first:
-                    self._booting -= 1
-        task = asyncio.ensure_future(respawn())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     @property
     def workers_booting(self) -> int:
-        """Workers of the first start still starting: each is a process importing both engines and
-        building their tokenizer state, seconds of CPU that would slow a model running meanwhile
-        (so the gateway's /health waits for them)."""
-        return self._booting
+        return self.pool.booting
 
     @property
     def workers_ready(self) -> int:
-        return self._idle.qsize()
+        return self.pool.ready
 
     @property
     def workers_alive(self) -> int:
-        return len(self._workers)
+        return self.pool.alive
 
     # ------------------------------------------------------------ compile / fetch
 
@@ -368,7 +308,7 @@ class Compiler:
 
         async def run(job_text: str) -> Result:
             nonlocal started_once
-            worker = await self._idle.get()
+            worker = await self.pool.take()
             if not started_once:
                 started.set()
                 started_once = True
@@ -433,21 +373,21 @@ class Compiler:
                 self._threads, worker.run, backend, kind, text, self.max_blob_bytes, self.deadline_s, budgeted)
         except CompileTimeout:
             self.timeouts += 1
-            self._replace(worker)
+            self.pool.replace(worker)
             _log.warning("grammar compile hit the deadline; worker replaced", kind=kind, key=key[:16],
                          backend=backend, deadline_s=self.deadline_s)
             raise BadRequest(f"compiling this grammar took longer than {self.deadline_s:g}s; simplify it "
                              "(deep nesting, large ranges, long alternations)", param="response_format") from None
         except WorkerDied as e:
             self.failures += 1
-            self._replace(worker)
+            self.pool.replace(worker)
             _log.error("grammar worker died while compiling", kind=kind, key=key[:16], error=str(e))
             raise RadixflowError(f"the grammar compiler crashed on {_WHAT[kind]}: {e}") from None
-        self._idle.put_nowait(worker)
+        self.pool.give(worker)
         return result
 
     def stats(self) -> dict:
         return {**self.cache.stats(), "compiles": self.compiles, "failures": self.failures, "refused": len(self._refused),
                 "timeouts": self.timeouts, "coalesced": self.coalesced, "workers_alive": self.workers_alive,
-                "workers_booting": self._booting, "workers_idle": self.workers_ready, "deadline_s": self.deadline_s, "backend": self.backend,
+                "workers_booting": self.pool.booting, "workers_idle": self.workers_ready, "deadline_s": self.deadline_s, "backend": self.backend,
                 "max_blob_bytes": self.max_blob_bytes}
