@@ -52,10 +52,10 @@ from jsonschema import Draft202012Validator
 from radixflow.shared.errors import BadRequest
 
 # the algebra (merge.py) is this module's own: its private helpers are shared on purpose
+from .checks import _check_bounds, _declare_required, _disjoint, _tidy_items, _valid
 from .merge import (ALL_KINDS, FAMILY_KINDS, KEY_FAMILY, MAX_CONDITIONALS, MAX_DEPTH, MAX_INLINE, MAX_NODES, NEGATIVE,
-                    SUBSCHEMA_ONE, UNEVALUATED, Unsatisfiable, Unsupported, _applicators, _check_bounds, _declare_required,
-                    _disjoint, _key, _kinds, _localize, _merge, _split_dependent, _split_if, _strip, _tidy_items,
-                    _type_json, _valid, child_path, subschemas)
+                    SUBSCHEMA_ONE, UNEVALUATED, Unsatisfiable, Unsupported, _applicators, _key, _kinds, _localize,
+                    _merge, _split_dependent, _split_if, _strip, _type_json, child_path, subschemas)
 
 
 def normalize(schema: dict) -> dict:
