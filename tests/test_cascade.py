@@ -33,6 +33,22 @@ def test_attend_lse_matches_dense(impl, T, S, causal):
     torch.testing.assert_close(lse, rlse, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_attend_flash_in_bf16_matches_dense_fp32_within_bf16_rounding(causal):
+    """bf16 serving runs the flash op on bf16 inputs (it accumulates in fp32): against the fp32
+    reference of the same bf16-rounded inputs, the output stays within bf16 output rounding and
+    the LSE is fp32-exact."""
+    T, S = 40, 300
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(n, h, D, generator=g).bfloat16() for n, h in ((T, Hq), (S, Hkv), (S, Hkv)))
+    q_pos = torch.arange(S - T, S) if causal else None
+    o, lse = _attend_flash(q, k, v, D ** -0.5, q_pos)
+    ro, rlse = dense(q.float(), k.float(), v.float(), D ** -0.5, q_pos)
+    assert o.dtype == torch.float32 and lse.dtype == torch.float32
+    torch.testing.assert_close(o, ro, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, rlse, atol=1e-3, rtol=1e-3)
+
+
 def test_merge_of_two_key_sets_is_exact():
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(5, Hq, D, generator=g), torch.randn(50, Hkv, D, generator=g), torch.randn(50, Hkv, D, generator=g)

@@ -16,10 +16,10 @@ PAGE = 16
 class Harness:
     """One sequence driven through radixflow's model with an explicit page table and state slot."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, dtype: torch.dtype = torch.float32):
         self.spec = ModelSpec.from_dir(path)
-        self.model = load_model(path, torch.device("cpu"), torch.float32)
-        plan = MemoryPlan(page_size=PAGE, num_pages=64, num_state_slots=4, kv_dtype=torch.float32,
+        self.model = load_model(path, torch.device("cpu"), dtype)
+        plan = MemoryPlan(page_size=PAGE, num_pages=64, num_state_slots=4, kv_dtype=dtype,
                           state_dtype=torch.float32)
         self.kv = KVPool(self.spec, plan, torch.device("cpu"))
         self.state = StatePool(self.spec, plan, torch.device("cpu")) if self.spec.is_hybrid else None
@@ -86,3 +86,44 @@ def test_chunked_prefill_equals_one_pass(preset, models):
         ours.state.reset(2)
     parts = [ours.run(prompt[:e], s, all_logits=True) for s, e in [(0, 33), (33, 48), (48, 100)]]
     torch.testing.assert_close(torch.cat(parts), whole, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-hybrid"])
+def test_bf16_matches_transformers_in_bf16(preset, models):
+    """The bf16 compute dtype (`--dtype bfloat16`) against its own reference, transformers in bf16.
+    Both round at different points, so logits agree to bf16 precision, not bit for bit; the greedy
+    token must agree wherever the reference's top two logits are further apart than that rounding
+    (at ties, two correct bf16 implementations may pick either). A bf16-weights model that silently
+    ran in fp32 (the loader once copied bf16 tensors into fp32 modules) fails the dtype check."""
+    path = models[preset]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    ours = Harness(path, torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for n, p in ours.model.named_parameters()
+               if not n.endswith(("A_log", "dt_bias", "conv_weight")))
+    assert ours.kv.k[0].dtype == torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, ours.spec.vocab_size, (77,), generator=g).tolist()
+
+    def check(got: torch.Tensor, ref: torch.Tensor) -> None:
+        got, ref = got.float(), ref.float()
+        std = ref.std()
+        assert std > 1.0
+        diff = (got - ref).abs()
+        assert diff.mean() < 0.03 * std and diff.max() < 0.15 * std, (diff.mean(), diff.max(), std)
+        top2 = ref.topk(2, dim=-1).values
+        clear = top2[..., 0] - top2[..., 1] > 0.02 * std
+        assert clear.float().mean() > 0.8        # most positions have a clear winner to compare
+        assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+    with torch.inference_mode():
+        out = hf(torch.tensor([prompt]), use_cache=True)
+        check(ours.run(prompt, 0, all_logits=True), out.logits[0])
+        cache, tokens = _cache(out), list(prompt)
+        refs, gots = [], []
+        for _ in range(12):      # teacher-forced on the reference's tokens, across a page boundary
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = hf(torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
+            cache = _cache(out)
+            refs.append(out.logits[0, -1])
+            gots.append(ours.run(tokens, len(tokens) - 1, all_logits=False)[0])
+        check(torch.stack(gots), torch.stack(refs))

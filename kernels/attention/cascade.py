@@ -61,16 +61,18 @@ def _attend_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     T, Hq, D = q.shape
     S, Hkv, _ = k.shape
     G = Hq // Hkv
-    # fold the query heads of one kv head into the query axis: the op then needs no GQA support
-    qf = q.float().reshape(T, Hkv, G, D).permute(1, 2, 0, 3).reshape(1, Hkv, G * T, D)
+    # fold the query heads of one kv head into the query axis: the op then needs no GQA support.
+    # In the serving dtype: the op accumulates in fp32 whatever its inputs (bf16 runs ~2x faster)
+    dt = q.dtype
+    qf = q.reshape(T, Hkv, G, D).permute(1, 2, 0, 3).reshape(1, Hkv, G * T, D)
     mask = None
     if q_pos is not None:
         visible = torch.arange(S, device=q.device)[None, :] <= q_pos[:, None]          # [T, S]
-        mask = torch.zeros(visible.shape, dtype=torch.float32, device=q.device).masked_fill_(~visible, float("-inf"))
+        mask = torch.zeros(visible.shape, dtype=dt, device=q.device).masked_fill_(~visible, float("-inf"))
         mask = mask.repeat(G, 1)                                                       # rows: g-major, like qf
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qf, k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None], 0.0, False, attn_mask=mask, scale=scale)
-    o = o[0].reshape(Hkv, G, T, D).permute(2, 0, 1, 3).reshape(T, Hq, D)
+        qf, k.to(dt).transpose(0, 1)[None], v.to(dt).transpose(0, 1)[None], 0.0, False, attn_mask=mask, scale=scale)
+    o = o[0].float().reshape(Hkv, G, T, D).permute(2, 0, 1, 3).reshape(T, Hq, D)
     return o, lse[0].reshape(Hkv, G, T).permute(2, 0, 1).reshape(T, Hq)
 
 

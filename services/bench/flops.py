@@ -56,12 +56,12 @@ def request_flops(spec: ModelSpec, prompt_tokens: int, cached_tokens: int, outpu
     return total
 
 
-def gemm_peak(spec: ModelSpec, rows: int = 1024, repeats: int = 40) -> float:
-    """Best FLOP/s of the model dtype's matmuls at the model's projection shapes, [rows, in] x
+def gemm_peak(spec: ModelSpec, rows: int = 1024, repeats: int = 40, dtype: str = "float32") -> float:
+    """Best FLOP/s of matmuls in the serving dtype at the model's projection shapes, [rows, in] x
     [in, out], measured here. Run it in a process of its own when the caller also serves
     (bench/common.EngineHost says why)."""
     import torch
-    dtype = getattr(torch, spec.torch_dtype, torch.float32) if spec.torch_dtype != "bfloat16" else torch.float32
+    dtype = getattr(torch, dtype)
     shapes = {(spec.hidden_size, spec.intermediate_size), (spec.intermediate_size, spec.hidden_size),
               (spec.hidden_size, spec.num_heads * spec.head_dim)}
     best = 0.0
@@ -76,13 +76,13 @@ def gemm_peak(spec: ModelSpec, rows: int = 1024, repeats: int = 40) -> float:
     return best
 
 
-def measure_peak(model: str) -> float:
+def measure_peak(model: str, dtype: str = "float32") -> float:
     """gemm_peak in a spawned process (this one's main thread runs no torch)."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        return pool.submit(_peak_of, model).result()
+        return pool.submit(_peak_of, model, dtype).result()
 
 
-def _peak_of(model: str) -> float:
-    return gemm_peak(ModelSpec.from_dir(model))
+def _peak_of(model: str, dtype: str) -> float:
+    return gemm_peak(ModelSpec.from_dir(model), dtype=dtype)

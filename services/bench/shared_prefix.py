@@ -26,8 +26,8 @@ def workload(preamble: int, suffix: int, n: int, vocab: int, seed: int = 7) -> t
     return pre, [[rng.randint(lo, hi) for _ in range(suffix)] for _ in range(n)]
 
 
-async def _side(model: str, pre, sufs, out_tokens: int, cache: bool, first_alone: bool) -> dict:
-    async with served(model, ex_disable_radix_cache=not cache) as (stack, http, base):
+async def _side(model: str, pre, sufs, out_tokens: int, cache: bool, first_alone: bool, dtype: str = "auto") -> dict:
+    async with served(model, ex_disable_radix_cache=not cache, ex_dtype=dtype) as (stack, http, base):
         radix = stack.actors["radix"]
         # warm up (first-call allocations), identically on both sides, with tokens outside the workload
         await generate(http, base, {"input_ids": list(range(5, 69)), "sampling_params": {"max_new_tokens": 2}})
@@ -51,12 +51,14 @@ async def _side(model: str, pre, sufs, out_tokens: int, cache: bool, first_alone
         preamble_states = [p for p in pool.tree.checkpoints_on("default", pre) if p <= len(pre)]
         async with http.get(base + "/v1/memory") as r:
             memory = (await r.json())["executors"][0]
+        served_dtype = str(stack.actors["executor"].engine.runner.dtype).removeprefix("torch.")
     computed = sum(o["meta_info"]["prompt_tokens"] - o["meta_info"]["cached_tokens"] for o in outs)
     spec = ModelSpec.from_dir(model)
     flops = sum(request_flops(spec, o["meta_info"]["prompt_tokens"], o["meta_info"]["cached_tokens"],
                               o["meta_info"]["completion_tokens"]) for o in outs)
     out = {"prefill_tokens_computed": computed, "peak_kv_pages": peak, "page_size": page_size,
-           "wall_s": round(t.s, 3), "gflops": round(flops / 1e9, 2), "outputs": [o["output_ids"] for o in outs]}
+           "wall_s": round(t.s, 3), "gflops": round(flops / 1e9, 2), "dtype": served_dtype,
+           "outputs": [o["output_ids"] for o in outs]}
     if pool.hybrid:
         out |= {"state_slots_holding_the_preamble": len(preamble_states), "preamble_checkpoints_at": preamble_states,
                 **{k: stats[k] for k in ("state_checkpoints_total", "state_restores_total",
@@ -100,16 +102,17 @@ async def _peer(url: str, pre, sufs, out_tokens: int, first_alone: bool) -> dict
 
 
 def run_shared_prefix(model: str, preamble: int, suffix: int, n: int, out_tokens: int, first_alone: bool,
-                      against: str | None = None) -> dict:
+                      against: str | None = None, dtype: str = "auto") -> dict:
     import json
     import os
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
     pre, sufs = workload(preamble, suffix, n, vocab)
-    peak = measure_peak(model)
-    on = asyncio.run(_side(model, pre, sufs, out_tokens, True, first_alone))
-    off = asyncio.run(_side(model, pre, sufs, out_tokens, False, first_alone))
+    on = asyncio.run(_side(model, pre, sufs, out_tokens, True, first_alone, dtype))
+    off = asyncio.run(_side(model, pre, sufs, out_tokens, False, first_alone, dtype))
+    # the compute floor: the FLOPs of what a side computed, at the GEMM peak of the dtype it served
+    # in, measured now (bf16 matmuls run ~4x faster where the CPU has AMX, and so the floor is lower)
+    peak = measure_peak(model, on["dtype"])
     for side in (on, off):
-        # the compute floor: the FLOPs of what this side computed, at the GEMM peak measured now
         side["floor_s"] = round(side["gflops"] * 1e9 / peak, 3)
         side["wall_over_floor"] = round(side["wall_s"] / side["floor_s"], 2)
     peer = asyncio.run(_peer(against.rstrip("/"), pre, sufs, out_tokens, first_alone)) if against else None
@@ -122,7 +125,7 @@ def run_shared_prefix(model: str, preamble: int, suffix: int, n: int, out_tokens
         peer["radixflow_wall_over_peer"] = round(on["wall_s"] / peer["wall_s"], 3)
     out = {"model": model, "workload": {"preamble": preamble, "suffix": suffix, "requests": n,
                                          "output_tokens": out_tokens, "first_alone": first_alone},
-            "gemm_peak_gflops": round(peak / 1e9, 1), "cache_on": on, "cache_off": off,
+            "dtype": on["dtype"], "gemm_peak_gflops": round(peak / 1e9, 1), "cache_on": on, "cache_off": off,
             "prefill_token_ratio": round(token_ratio, 2), "peak_pages_ratio": round(off["peak_kv_pages"] / max(on["peak_kv_pages"], 1), 2),
             "wall_speedup": round(wall_ratio, 2), "wall_speedup_over_token_ratio": round(wall_ratio / token_ratio, 3),
             "greedy_outputs_identical": f"{same}/{n}",

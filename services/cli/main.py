@@ -36,6 +36,9 @@ def _serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None, help="HTTP bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
     p.add_argument("--device", default=None, help="auto | cpu | cuda")
+    p.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16"),
+                   help="compute and KV dtype (default auto: bf16 on GPUs and on CPUs that multiply bf16 "
+                        "natively, measured at start; else fp32)")
     p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     p.add_argument("--mem-fraction", type=float, default=None,
@@ -61,7 +64,7 @@ def _serving_args(p: argparse.ArgumentParser) -> None:
 
 
 def _overrides(a: argparse.Namespace) -> dict:
-    return dict(ex_served_model_name=a.served_model_name, ex_device=a.device, ex_page_size=a.page_size,
+    return dict(ex_served_model_name=a.served_model_name, ex_device=a.device, ex_dtype=a.dtype, ex_page_size=a.page_size,
                 ex_max_total_tokens=a.max_total_tokens, ex_mem_fraction=a.mem_fraction,
                 ex_max_running_requests=a.max_running_requests,
                 ex_max_prefill_tokens=a.max_prefill_tokens,
@@ -206,7 +209,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
                 json.dump(out, f, indent=2)
     elif a.which == "shared-prefix":
         from radixflow.services.bench.shared_prefix import run_shared_prefix
-        out = run_shared_prefix(model, a.preamble, a.suffix, a.requests, a.output_tokens, a.first_alone, a.against)
+        out = run_shared_prefix(model, a.preamble, a.suffix, a.requests, a.output_tokens, a.first_alone, a.against,
+                                dtype=a.dtype)
     else:
         print(f"unknown benchmark {a.which!r}", file=sys.stderr)
         return 2
@@ -266,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="auto", help="schemas: grammar backend (auto: the server's choice)")
     p.add_argument("--json", default=None, help="schemas: write the per-schema results to this file; serve: the results")
     p.add_argument("--output-tokens", type=int, default=8, help="shared-prefix: tokens generated per request")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="shared-prefix, scaling: the executor's compute dtype (the floor uses its GEMM peak)")
     p.add_argument("--first-alone", action="store_true", help="shared-prefix: send the first request before the rest")
     p.add_argument("--batch", default="1,16", help="decode: comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=32)

@@ -34,6 +34,9 @@ _log = log.get("executor")
 class EngineConfig:
     model: str
     device: str = "auto"
+    # compute and KV dtype: float32 | bfloat16 | auto (runner.pick_dtype: measured on a CPU). The
+    # plain class defaults to fp32, the exact reference path; the service's default is auto
+    dtype: str = "float32"
     page_size: int = 16
     max_total_tokens: int = 0        # 0: auto (from mem_fraction when set, else 2 x max_model_len, >= 131072)
     mem_fraction: float = 0.0        # > 0: KV and state pools take this share of free device memory, less the weights
@@ -72,7 +75,7 @@ class Engine:
                                          max(131072, 2 * self.max_model_len))
         self.page_size = cfg.page_size
         self.num_pages = pages_for(total, cfg.page_size)
-        self.runner = ModelRunner(cfg.model, device=cfg.device, page_size=cfg.page_size,
+        self.runner = ModelRunner(cfg.model, device=cfg.device, dtype=cfg.dtype, page_size=cfg.page_size,
                                   num_pages=self.num_pages, num_state_slots=num_slots)
         self.spec = self.runner.spec
         self.cache = not cfg.disable_radix_cache
@@ -111,7 +114,7 @@ class Engine:
         from .memory import dtype_bytes, free_bytes, tokens_for
         from .runner import pick_device, pick_dtype
         device = pick_device(self.cfg.device)
-        dtype = pick_dtype(device)
+        dtype = pick_dtype(device, self.cfg.dtype)
         files = glob.glob(os.path.join(self.cfg.model, "*.safetensors"))
         weights = sum(os.path.getsize(f) for f in files) * dtype_bytes(dtype) // dtype_bytes(spec.torch_dtype or "float32")
         free = free_bytes(device)

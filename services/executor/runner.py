@@ -2,6 +2,8 @@
 samples. It makes no scheduling decisions."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import sampler
@@ -20,9 +22,36 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def pick_dtype(device: torch.device) -> torch.dtype:
-    # CPU kernels are fastest and exact in fp32; GPUs serve in bf16 like every engine does
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def pick_dtype(device: torch.device, name: str = "auto") -> torch.dtype:
+    """The compute (and KV) dtype. auto: bf16 on GPUs, as every engine serves; fp32 on a CPU, the
+    exact path: there bf16 is an explicit choice (`--dtype bfloat16`), because it changes greedy
+    outputs wherever the top two logits lie within bf16 rounding, and the product promises the
+    same tokens with the cache on and off. Where the CPU multiplies bf16 natively (AMX), the
+    executor logs the measured gain (cpu_bf16_speedup)."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"dtype must be auto, {', '.join(DTYPES)}; got {name!r}")
+        return DTYPES[name]
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+@functools.cache
+def cpu_bf16_speedup(m: int = 1024, k: int = 512, n: int = 1536) -> float:
+    """fp32 time over bf16 time of one prefill-shaped matmul on this CPU (best of a few; ~0.1 s)."""
+    import time
+    out = {}
+    for dt in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(m, k).to(dt), torch.randn(k, n).to(dt)
+        best = float("inf")
+        for _ in range(6):
+            t = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t)
+        out[dt] = best
+    return out[torch.float32] / out[torch.bfloat16]
 
 
 MIN_SHARED_TOKENS = 64   # below this, reading a prefix per sequence costs less than splitting
@@ -65,9 +94,9 @@ def shared_prefixes(tables: list[list[int]], limits: list[int], page_size: int,
 
 class ModelRunner:
     def __init__(self, model_path: str, *, device: str = "auto", page_size: int, num_pages: int,
-                 num_state_slots: int, state_dtype: torch.dtype = torch.float32):
+                 num_state_slots: int, dtype: str = "float32", state_dtype: torch.dtype = torch.float32):
         self.device = pick_device(device)
-        self.dtype = pick_dtype(self.device)
+        self.dtype = pick_dtype(self.device, dtype)
         self.spec = ModelSpec.from_dir(model_path)
         self.model: CausalLM = load_model(model_path, self.device, self.dtype)
         self.plan = MemoryPlan(page_size=page_size, num_pages=num_pages,

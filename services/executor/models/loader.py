@@ -76,7 +76,9 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype) -> CausalLM:
     keep_fp32 = ("A_log", "dt_bias", "conv_weight")
     sd = {k: v.to(device=device, dtype=torch.float32 if k.endswith(keep_fp32) else dtype) for k, v in sd.items()}
     model = model.to_empty(device=device)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    # assign: the parameters take the tensors' dtypes (a copy into the fp32 modules would upcast
+    # every weight back to fp32 and leave the serving dtype on paper only)
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     if missing or unexpected:
         raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     model.rotary.materialize(device)
