@@ -136,6 +136,21 @@ def test_forty_request_shared_prefix_batch(engines):
     assert on.counters["prefill_tokens_computed_total"] > 0
 
 
+def test_siblings_arriving_together_compute_the_preamble_once(engines):
+    """An agent's fan-out arriving in one burst on an empty cache: the first sibling is granted, the
+    rest wait for its preamble, and the point where they part becomes one of its checkpoints, so
+    the second sibling resumes there instead of recomputing the whole preamble to create it."""
+    on, off, _ = engines
+    pre = toks(7, 500)                                  # the siblings part at 500: checkpoint at 496
+    sufs = [toks(200 + i, 40) for i in range(12)]
+    before = on.counters["prefill_tokens_computed_total"]
+    got, meta = run(on, [req(f"s{i}", pre + s) for i, s in enumerate(sufs)])
+    want, _ = run(off, [req(f"s{i}", pre + s) for i, s in enumerate(sufs)])
+    assert got == want
+    assert sorted(meta.values()) == [0] + [496] * 11
+    assert on.counters["prefill_tokens_computed_total"] - before == 540 + 11 * 44
+
+
 def test_evicting_states_keeps_kv_and_outputs(models, engines):
     _, off, kw = engines
     # 2 slots per running request + 2 for checkpoints: checkpoints must be evicted, pages need not be

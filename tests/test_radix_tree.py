@@ -324,3 +324,15 @@ def test_longest_prefix_first_and_shared_uncached_prefix_computed_once():
     pool.progress(Progress(rid="cold", computed=5))
     grants, _ = pool.admit([twin], budget=10**6, max_admit=8)
     assert grants[0].cached_tokens == 4                          # the twin now reuses what cold computed
+
+
+def test_parting_points_of_one_admission():
+    from radixflow.services.radix.pool import _common_len, _parting_points
+    from radixflow.shared.messages import Candidate
+    assert [_common_len(a, b) for a, b in [([], [1]), ([1, 2, 3], [1, 2, 3]), ([1, 2, 3], [1, 2, 4]), ([5], [6])]] == [0, 3, 2, 0]
+    pre = list(range(100, 150))
+    c = lambda rid, ids, ns="t": Candidate(rid=rid, namespace=ns, token_ids=ids, reserve=4)
+    got = _parting_points([c("a", pre + [1, 2]), c("b", pre + [3]), c("c", pre[:20] + [9]), c("d", pre + [1, 2], "u"),
+                           c("e", [7, 8])])
+    # a and b part at 50; c leaves the others at 20; d is alone in its namespace; e shares nothing
+    assert got == {"a": 50, "b": 50, "c": 20}

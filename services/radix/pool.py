@@ -181,6 +181,7 @@ class PagePool:
     def admit(self, cands: list[Candidate], budget: int, max_admit: int) -> tuple[list[Grant], list[Deferred]]:
         """Longest usable cached prefix first (arrival order among equals), all-or-nothing per request."""
         matches = []
+        parts = _parting_points(cands) if self.hybrid and self.cache and len(cands) > 1 else {}
         for c in cands:
             # at least the last prompt token is computed (its logits sample the first output token);
             # prompt logprobs need the logits of every token from max_cached on
@@ -205,7 +206,7 @@ class PagePool:
             elif nxt is not None and nxt in self.computing:
                 reason = "shared-prefix"     # let the other compute it once; this one reuses it next step
             if reason is None:
-                g = self._grant(c, m, cached, nxt)
+                g = self._grant(c, m, cached, nxt, parts.get(c.rid, 0))
                 if g is None:
                     blocked = True           # keep arrival order under memory pressure: no overtaking
                     reason = "memory"
@@ -216,10 +217,11 @@ class PagePool:
                 deferred.append(Deferred(rid=c.rid, cached_tokens=cached, reason=reason))
         return grants, deferred
 
-    def _grant(self, c: Candidate, m, cached: int, nxt: tuple | None) -> Grant | None:
+    def _grant(self, c: Candidate, m, cached: int, nxt: tuple | None, parts: int = 0) -> Grant | None:
         node = m.node if m else self.tree.root(c.namespace)
         cached_pages = m.pages[: cached // self.page_size] if m else []
-        plan = self._plan(c.token_ids, cached, m.length if m else 0, c.checkpoint_at) if self.hybrid else []
+        extra = c.checkpoint_at + ([parts] if parts else [])
+        plan = self._plan(c.token_ids, cached, m.length if m else 0, extra) if self.hybrid else []
         self.tree.lock(node)
         fresh = self._alloc(pages_for(len(c.token_ids) + c.reserve, self.page_size) - len(cached_pages),
                             c.namespace, c.quota_pages)
@@ -392,3 +394,38 @@ class PagePool:
                     "state_slots_used": self.num_state_slots - len(self._free_states),
                     "state_slots_cached": sum(1 for n in self.tree.nodes() if n.state is not None)}
         return out
+
+
+def _parting_points(cands: list[Candidate]) -> dict[str, int]:
+    """Hybrid: for each candidate, the longest prefix it shares with another candidate of the same
+    namespace in this admission. An agent's fan-out arrives together: the first sibling is granted
+    and the rest wait for it to compute the preamble ("shared-prefix"). Only a state saved exactly
+    where they part lets them resume there, and that point is not in the tree yet (the tree holds no
+    sibling): planned as a checkpoint of the first, it spares the second sibling recomputing the
+    whole preamble to create it. Sorted token lists put each list's longest match beside it."""
+    out: dict[str, int] = {}
+    by_ns: dict[str, list[Candidate]] = {}
+    for c in cands:
+        by_ns.setdefault(c.namespace, []).append(c)
+    for group in by_ns.values():
+        if len(group) < 2:
+            continue
+        group = sorted(group, key=lambda c: c.token_ids)
+        shared = [_common_len(a.token_ids, b.token_ids) for a, b in zip(group, group[1:])]
+        for i, c in enumerate(group):
+            n = max(shared[i - 1] if i > 0 else 0, shared[i] if i < len(shared) else 0)
+            if n:
+                out[c.rid] = min(n, len(c.token_ids) - 1)
+    return out
+
+
+def _common_len(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix, by bisection on slice equality (compared in C, not per token)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
