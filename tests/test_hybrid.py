@@ -172,7 +172,11 @@ def test_fork_point_checkpoint_hook(engines):
     x = toks(400, 260)
     r = req("fork", x)
     r.checkpoint_at = [100]
+    steps = on.steps
     run(on, [r])
+    # the checkpoints at 96 and at the prompt's last page boundary (256) are copied out inside the
+    # one prefill step (ForwardBatch.taps), not by cutting it: one prefill step and 7 decode steps
+    assert on.steps - steps == 1 + 7
     y = x[:110] + toks(401, 40)                      # diverges after the fork point
     got, meta = run(on, [req("child", y)])
     want, _ = run(off, [req("child", y)])

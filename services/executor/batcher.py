@@ -6,7 +6,7 @@
 Admission is decided by the page authority (radix): longest cached prefix first, all-or-nothing,
 pages for the prompt plus every token the request may generate reserved up front, so a running
 request never needs a page mid-flight. Each step is either a prefill (chunks of prefilling
-sequences under the token budget, cut at planned state checkpoints) or a decode of every
+sequences under the token budget) or a decode of every
 sequence past its prompt. While some sequences decode and others prefill, a prefill step is a
 mixed one: a smaller chunk budget (mixed_chunk_tokens) and one row for each decoding sequence.
 """
@@ -126,10 +126,9 @@ class Batcher:
             budget = max(min(self.mixed_chunk_tokens, budget) - len(decoding), 1)
         for s in self.running:
             if s.computed_len < s.prompt_len and budget > 0:
+                # planned checkpoints inside the chunk do not cut it: the model copies the state out
+                # where they fall (ForwardBatch.taps)
                 n = min(s.prompt_len - s.computed_len, budget)
-                # a chunk ends at the next planned checkpoint, where the state is copied out
-                ahead = [p - s.computed_len for p in s.checkpoints if p > s.computed_len]
-                n = min([n] + ahead)
                 prefill.append((s, n))
                 budget -= n
         if prefill and mixed:

@@ -170,6 +170,7 @@ class ModelRunner:
             state_slots=torch.cat([pre.state_slots, dec.state_slots]),
             logits_rows=torch.tensor(sampled + rows[len(want):], dtype=torch.int64, device=self.device))
         fb.prefill_part, fb.decode_part = pre, dec
+        fb.taps = pre.taps
         return fb, want + list(range(n, len(plan.seqs))), lp
 
     def _build_prefill(self, plan: Plan) -> tuple[ForwardBatch, list[int], list[tuple[int, int]]]:
@@ -203,6 +204,11 @@ class ModelRunner:
             seq_slots=seq_slots,
             state_slots=torch.tensor([s.state_slot for s in plan.seqs], dtype=torch.int64, device=dev),
             logits_rows=torch.tensor(rows + lp_rows, dtype=torch.int64, device=dev))
+        if self.state is not None:
+            fb.taps = {i: sorted((p - s.computed_len, slot) for p, slot in s.checkpoints.items()
+                                 if s.computed_len < p < s.computed_len + ext)
+                       for i, (s, ext) in enumerate(zip(plan.seqs, plan.extend_lens))}
+            fb.taps = {i: t for i, t in fb.taps.items() if t}
         # a shared prefix lies within what every member computed before this step; in a prefill
         # the new tokens are many and are better read together with the rest of their sequence by
         # one masked kernel, so no groups of one

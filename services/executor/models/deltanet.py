@@ -60,7 +60,12 @@ class GatedDeltaNet(nn.Module):
             bounds, slot_list = batch.bounds(), slots.tolist()
             for i in rest:
                 (s, e), slot = bounds[i], slot_list[i]
-                y, final = causal_conv1d(mixed[s:e].T, self.conv_weight, conv[slot])
+                x = mixed[s:e].T
+                for n, dst in batch.taps.get(i, ()):
+                    # the conv state after n tokens: the last W-1 inputs of (state ++ first n)
+                    xx = torch.cat([conv[slot], x[:, :n].to(conv.dtype)], dim=-1)
+                    conv[dst] = xx[:, xx.shape[-1] - conv.shape[-1]:]
+                y, final = causal_conv1d(x, self.conv_weight, conv[slot])
                 out[s:e] = y.T
                 conv[slot] = final
             mixed = out
@@ -79,17 +84,7 @@ class GatedDeltaNet(nn.Module):
             ones, rows, rest = batch.single_rows()
             if ones:
                 o[rows] = self._rule_step(q[rows], k[rows], v[rows], g[rows], beta[rows], rec, slots[ones])
-            bounds, slot_list = batch.bounds(), slots.tolist()
-            lens = [bounds[i][1] - bounds[i][0] for i in rest]
-            if len(rest) > 1 and max(lens) * len(rest) <= PAD_WASTE * sum(lens):
-                self._rule_padded(q, k, v, g, beta, o, rec, [bounds[i] for i in rest], slots[rest])
-                rest = []
-            for i in rest:
-                (s, e), slot = bounds[i], slot_list[i]
-                oi, final = chunk_gated_delta_rule(q[None, s:e], k[None, s:e], v[None, s:e], g[None, s:e],
-                                                   beta[None, s:e], initial_state=rec[slot][None])
-                o[s:e] = oi[0]
-                rec[slot] = final[0]
+            self._rule_prefill(q, k, v, g, beta, o, rec, batch, slots, rest)
         o = self.norm(o, z.reshape(T, self.hv, self.dv))
         return self.out_proj(o.reshape(T, self.value_dim))
 
@@ -107,6 +102,35 @@ class GatedDeltaNet(nn.Module):
         o = gated_delta_rule_decode(q, k, v, g, beta, st)
         rec[slots] = st
         return o
+
+    def _rule_prefill(self, q, k, v, g, beta, o, rec, batch: ForwardBatch, slots: torch.Tensor,
+                      rest: list[int]) -> None:
+        """The prefill sequences `rest` through the chunked rule. A sequence with taps runs in
+        segments that end at them, the state copied out after each; round r runs every sequence's
+        r-th segment, similar lengths in one padded call (_rule_padded)."""
+        bounds, slot_list = batch.bounds(), slots.tolist()
+        segs = {}
+        for i in rest:
+            s, e = bounds[i]
+            cuts = batch.taps.get(i, [])
+            ends = [s + n for n, _ in cuts] + [e]
+            segs[i] = [(a, b, dst) for a, b, dst in zip([s] + ends[:-1], ends, [d for _, d in cuts] + [-1])]
+        for r in range(max((len(x) for x in segs.values()), default=0)):
+            items = [(i, segs[i][r]) for i in rest if r < len(segs[i])]
+            lens = [b - a for _, (a, b, _) in items]
+            if len(items) > 1 and max(lens) * len(items) <= PAD_WASTE * sum(lens):
+                self._rule_padded(q, k, v, g, beta, o, rec, [(a, b) for _, (a, b, _) in items],
+                                  slots[[i for i, _ in items]])
+            else:
+                for i, (a, b, _) in items:
+                    slot = slot_list[i]
+                    oi, final = chunk_gated_delta_rule(q[None, a:b], k[None, a:b], v[None, a:b], g[None, a:b],
+                                                       beta[None, a:b], initial_state=rec[slot][None])
+                    o[a:b] = oi[0]
+                    rec[slot] = final[0]
+            for i, (_, _, dst) in items:
+                if dst >= 0:
+                    rec[dst] = rec[slot_list[i]]
 
     @staticmethod
     def _rule_padded(q, k, v, g, beta, o, rec, bounds: list[tuple[int, int]], slots: torch.Tensor) -> None:
