@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from radixflow.kernels.attention import decode_attention, prefill_attention, write_kv
-from radixflow.kernels.causal_conv1d import causal_conv1d, causal_conv1d_update, causal_conv1d_update_depths
+from radixflow.kernels.causal_conv1d import (causal_conv1d, causal_conv1d_padded, causal_conv1d_update,
+                                             causal_conv1d_update_depths)
 from radixflow.kernels.gated_delta_rule import (
     chunk_gated_delta_rule,
     gated_delta_rule_decode,
@@ -194,6 +195,22 @@ def test_conv_full_pass(T, W, with_state):
     assert torch.equal(s, s_ref)  # the state is a copy of inputs: exact
     if not with_state:
         close(y, hf_conv(x[None], w, activation="silu")[0])
+
+
+def test_conv_padded_equals_one_call_per_sequence():
+    """Right-padded sequences of lengths 1, 2, 5 and 9 in one call: each one's outputs, its final
+    state, and its state after any n tokens (xx) are those of its own call."""
+    gen = torch.Generator().manual_seed(5)
+    C, W, lens = 12, 4, [1, 9, 2, 5]
+    x, w = torch.randn(len(lens), C, 9, generator=gen), torch.randn(C, W, generator=gen)
+    s0 = torch.randn(len(lens), C, W - 1, generator=gen)
+    y, final, xx = causal_conv1d_padded(x, w, s0, torch.tensor(lens))
+    for b, n in enumerate(lens):
+        y_ref, s_ref = causal_conv1d(x[b, :, :n], w, initial_state=s0[b])
+        close(y[b, :, :n], y_ref)
+        assert torch.equal(final[b], s_ref)
+        for m in range(1, n + 1):
+            assert torch.equal(xx[b, :, m:m + W - 1], causal_conv1d(x[b, :, :m], w, initial_state=s0[b])[1])
 
 
 @pytest.mark.parametrize("split", [1, 2, 3, 7, 40])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_conv1d", "causal_conv1d_update", "causal_conv1d_update_depths"]
+__all__ = ["causal_conv1d", "causal_conv1d_padded", "causal_conv1d_update", "causal_conv1d_update_depths"]
 
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -58,6 +58,36 @@ def causal_conv1d(
     # slice from an explicit start: xx[:, -(W-1):] would return everything when W == 1
     final_state = xx[:, xx.shape[-1] - (W - 1) :].to(state_dtype, copy=True)
     return _activate(y, activation).to(x.dtype), final_state
+
+
+def causal_conv1d_padded(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    initial_state: torch.Tensor,
+    lens: torch.Tensor,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """causal_conv1d of B sequences at once, right-padded to a common length (one conv call, not B).
+
+    Args:
+        x: [B, C, L]; sequence b's inputs are x[b, :, :lens[b]] (what follows is never read into
+            its outputs or state: the conv is causal)
+        weight: [C, W]
+        initial_state: [B, C, W-1]
+        lens: [B] int64, 1 <= lens[b] <= L
+    Returns:
+        y: [B, C, L] in x's dtype (columns past lens[b] are meaningless)
+        final_state: [B, C, W-1] in initial_state's dtype, each at its own sequence's end
+        xx: [B, C, W-1+L] fp32, state ++ inputs: the state after any n tokens of sequence b is
+            xx[b, :, n : n + W-1]
+    """
+    B, C, L = x.shape
+    W = weight.shape[-1]
+    xx = torch.cat([initial_state.float(), x.float()], dim=-1)                        # [B, C, W-1+L]
+    y = F.conv1d(xx, weight.float().unsqueeze(1), groups=C)                          # [B, C, L]
+    idx = lens.to(x.device)[:, None] + torch.arange(W - 1, device=x.device)          # [B, W-1]
+    final_state = xx.gather(2, idx[:, None, :].expand(B, C, W - 1)).to(initial_state.dtype)
+    return _activate(y, activation).to(x.dtype), final_state, xx
 
 
 def causal_conv1d_update(

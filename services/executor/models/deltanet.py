@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixflow.kernels.causal_conv1d import causal_conv1d, causal_conv1d_update, causal_conv1d_update_depths
+from radixflow.kernels.causal_conv1d import (causal_conv1d, causal_conv1d_padded, causal_conv1d_update,
+                                             causal_conv1d_update_depths)
 from radixflow.kernels.gated_delta_rule import (chunk_gated_delta_rule, gated_delta_rule_decode,
                                                 gated_delta_rule_decode_depths)
 
@@ -58,6 +59,10 @@ class GatedDeltaNet(nn.Module):
             if ones:   # one-token sequences (a mixed step's decode rows): batched, as in a decode step
                 out[rows] = self._conv_step(mixed[rows], conv, slots[ones])
             bounds, slot_list = batch.bounds(), slots.tolist()
+            lens = [bounds[i][1] - bounds[i][0] for i in rest]
+            if len(rest) > 1 and max(lens) * len(rest) <= PAD_WASTE * sum(lens):
+                self._conv_padded(mixed, out, conv, batch, [bounds[i] for i in rest], rest, slots[rest])
+                rest = []
             for i in rest:
                 (s, e), slot = bounds[i], slot_list[i]
                 x = mixed[s:e].T
@@ -103,6 +108,21 @@ class GatedDeltaNet(nn.Module):
         rec[slots] = st
         return o
 
+    def _conv_padded(self, mixed, out, conv, batch: ForwardBatch, bounds: list[tuple[int, int]], seqs: list[int],
+                     slots: torch.Tensor) -> None:
+        """Several sequences' conv as one call, right-padded to the longest (its taps read the
+        padded inputs too)."""
+        rows, real = _padded_rows(bounds, mixed.shape[0], mixed.device)
+        x = torch.cat([mixed, mixed.new_zeros(1, mixed.shape[1])])[rows].transpose(1, 2)   # [B, C, L]
+        lens = torch.tensor([e - s for s, e in bounds], device=mixed.device)
+        y, final, xx = causal_conv1d_padded(x, self.conv_weight, conv[slots], lens)
+        out[rows[real]] = y.transpose(1, 2)[real]
+        Wm1 = conv.shape[-1]
+        for b, i in enumerate(seqs):
+            for n, dst in batch.taps.get(i, ()):
+                conv[dst] = xx[b, :, n:n + Wm1]
+        conv[slots] = final
+
     def _rule_prefill(self, q, k, v, g, beta, o, rec, batch: ForwardBatch, slots: torch.Tensor,
                       rest: list[int]) -> None:
         """The prefill sequences `rest` through the chunked rule. A sequence with taps runs in
@@ -137,15 +157,9 @@ class GatedDeltaNet(nn.Module):
         """Several sequences' chunked rule as one batched call, each right-padded to the longest
         with tokens of k = v = beta = g = 0, which neither write nor decay the state: their final
         states are exactly those of their own tokens (agents' siblings have similar lengths)."""
-        T, dev = q.shape[0], q.device
-        L = max(e - s for s, e in bounds)
-        # row of (sequence b, position t): its packed row, or T (an appended row of zeros) past its end
-        idx = torch.full((len(bounds), L), T, dtype=torch.int64, device=dev)
-        for b, (s, e) in enumerate(bounds):
-            idx[b, : e - s] = torch.arange(s, e, device=dev)
+        idx, real = _padded_rows(bounds, q.shape[0], q.device)
         pad = lambda x: torch.cat([x, x.new_zeros(1, *x.shape[1:])])[idx]
         ob, final = chunk_gated_delta_rule(pad(q), pad(k), pad(v), pad(g), pad(beta), initial_state=rec[slots])
-        real = idx < T
         o[idx[real]] = ob[real]
         rec[slots] = final.to(rec.dtype)
 
@@ -173,3 +187,13 @@ class GatedDeltaNet(nn.Module):
         saved.extend(kept)
         rec[slots] = st
         return o
+
+
+def _padded_rows(bounds: list[tuple[int, int]], T: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, L] packed row of (sequence b, position t), or T (to be an appended row of zeros) past the
+    sequence's end; and the mask of real rows."""
+    L = max(e - s for s, e in bounds)
+    idx = torch.full((len(bounds), L), T, dtype=torch.int64, device=dev)
+    for b, (s, e) in enumerate(bounds):
+        idx[b, : e - s] = torch.arange(s, e, device=dev)
+    return idx, idx < T
