@@ -326,13 +326,20 @@ def test_longest_prefix_first_and_shared_uncached_prefix_computed_once():
     assert grants[0].cached_tokens == 4                          # the twin now reuses what cold computed
 
 
-def test_parting_points_of_one_admission():
-    from radixflow.services.radix.pool import _common_len, _parting_points
+
+def test_parting_point_of_a_grant():
+    from radixflow.services.radix.pool import PagePool
     from radixflow.shared.messages import Candidate
-    assert [_common_len(a, b) for a, b in [([], [1]), ([1, 2, 3], [1, 2, 3]), ([1, 2, 3], [1, 2, 4]), ([5], [6])]] == [0, 3, 2, 0]
+    pool = PagePool(num_pages=64, page_size=4, num_state_slots=8)
     pre = list(range(100, 150))
     c = lambda rid, ids, ns="t": Candidate(rid=rid, namespace=ns, token_ids=ids, reserve=4)
-    got = _parting_points([c("a", pre + [1, 2]), c("b", pre + [3]), c("c", pre[:20] + [9]), c("d", pre + [1, 2], "u"),
-                           c("e", [7, 8])])
-    # a and b part at 50; c leaves the others at 20; d is alone in its namespace; e shares nothing
-    assert got == {"a": 50, "b": 50, "c": 20}
+    a, b, cc, d = c("a", pre + [1, 2]), c("b", pre + [3]), c("c", pre[:20] + [9] * 8), c("d", pre + [1, 2], "u")
+    e, f = c("e", [7, 8, 9, 10, 11]), c("f", [7, 8, 9, 10, 11])
+    cands = [a, b, cc, d, e, f]
+    assert pool._parting_point(a, 0, cands) == 50       # with b (c parts at 20; d is another namespace)
+    assert pool._parting_point(cc, 0, cands) == 20
+    assert pool._parting_point(a, 44, cands) == 50      # beyond what is cached ...
+    assert pool._parting_point(a, 48, cands) == 0       # ... but not by a page: no boundary to checkpoint
+    assert pool._parting_point(b, 44, [b, cc]) == 0     # c shares nothing past 44
+    assert pool._parting_point(e, 0, cands) == 4        # identical prompts: all but the last token
+    assert pool._parting_point(d, 0, cands) == 0        # alone in its namespace

@@ -181,7 +181,6 @@ class PagePool:
     def admit(self, cands: list[Candidate], budget: int, max_admit: int) -> tuple[list[Grant], list[Deferred]]:
         """Longest usable cached prefix first (arrival order among equals), all-or-nothing per request."""
         matches = []
-        parts = _parting_points(cands) if self.hybrid and self.cache and len(cands) > 1 else {}
         for c in cands:
             # at least the last prompt token is computed (its logits sample the first output token);
             # prompt logprobs need the logits of every token from max_cached on
@@ -206,7 +205,8 @@ class PagePool:
             elif nxt is not None and nxt in self.computing:
                 reason = "shared-prefix"     # let the other compute it once; this one reuses it next step
             if reason is None:
-                g = self._grant(c, m, cached, nxt, parts.get(c.rid, 0))
+                part = self._parting_point(c, cached, cands) if self.hybrid and self.cache else 0
+                g = self._grant(c, m, cached, nxt, part)
                 if g is None:
                     blocked = True           # keep arrival order under memory pressure: no overtaking
                     reason = "memory"
@@ -217,10 +217,10 @@ class PagePool:
                 deferred.append(Deferred(rid=c.rid, cached_tokens=cached, reason=reason))
         return grants, deferred
 
-    def _grant(self, c: Candidate, m, cached: int, nxt: tuple | None, parts: int = 0) -> Grant | None:
+    def _grant(self, c: Candidate, m, cached: int, nxt: tuple | None, part: int = 0) -> Grant | None:
         node = m.node if m else self.tree.root(c.namespace)
         cached_pages = m.pages[: cached // self.page_size] if m else []
-        extra = c.checkpoint_at + ([parts] if parts else [])
+        extra = c.checkpoint_at + ([part] if part else [])
         plan = self._plan(c.token_ids, cached, m.length if m else 0, extra) if self.hybrid else []
         self.tree.lock(node)
         fresh = self._alloc(pages_for(len(c.token_ids) + c.reserve, self.page_size) - len(cached_pages),
@@ -246,6 +246,36 @@ class PagePool:
         if nxt is not None:
             self.computing[nxt] = c.rid
         return g
+
+    def _parting_point(self, c: Candidate, cached: int, cands: list[Candidate]) -> int:
+        """Hybrid: the longest prefix `c` shares beyond `cached` with another candidate of this
+        admission (0: none by a page or more). An agent's fan-out arrives together: the first
+        sibling is granted and the rest wait for it to compute the preamble ("shared-prefix"). Only a
+        state saved exactly where they part lets them resume there, and the tree cannot know that
+        point yet (it holds no sibling): planned as a checkpoint of the first, it spares the second
+        sibling recomputing the whole preamble to create it. Cheap: a candidate must first share
+        the page after `cached` (a slice of one page), then bisection on slice equality (in C)."""
+        a, ps = c.token_ids, self.page_size
+        page = a[cached:cached + ps]
+        best = 0
+        if len(page) < ps:
+            return 0
+        for d in cands:
+            b = d.token_ids
+            if d is c or d.namespace != c.namespace or b[cached:cached + ps] != page:
+                continue
+            n = min(len(a), len(b))
+            if n <= best or a[:max(best, cached) + 1] != b[:max(best, cached) + 1]:
+                continue                   # parts earlier than the best so far (or before `cached`)
+            lo, hi = max(best, cached) + 1, n
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if a[:mid] == b[:mid]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            best = lo
+        return min(best, len(a) - 1)
 
     def _next_page(self, c: Candidate, cached: int) -> tuple | None:
         """Two requests whose cached prefixes end at the same point and whose next page is the same
@@ -395,37 +425,3 @@ class PagePool:
                     "state_slots_cached": sum(1 for n in self.tree.nodes() if n.state is not None)}
         return out
 
-
-def _parting_points(cands: list[Candidate]) -> dict[str, int]:
-    """Hybrid: for each candidate, the longest prefix it shares with another candidate of the same
-    namespace in this admission. An agent's fan-out arrives together: the first sibling is granted
-    and the rest wait for it to compute the preamble ("shared-prefix"). Only a state saved exactly
-    where they part lets them resume there, and that point is not in the tree yet (the tree holds no
-    sibling): planned as a checkpoint of the first, it spares the second sibling recomputing the
-    whole preamble to create it. Sorted token lists put each list's longest match beside it."""
-    out: dict[str, int] = {}
-    by_ns: dict[str, list[Candidate]] = {}
-    for c in cands:
-        by_ns.setdefault(c.namespace, []).append(c)
-    for group in by_ns.values():
-        if len(group) < 2:
-            continue
-        group = sorted(group, key=lambda c: c.token_ids)
-        shared = [_common_len(a.token_ids, b.token_ids) for a, b in zip(group, group[1:])]
-        for i, c in enumerate(group):
-            n = max(shared[i - 1] if i > 0 else 0, shared[i] if i < len(shared) else 0)
-            if n:
-                out[c.rid] = min(n, len(c.token_ids) - 1)
-    return out
-
-
-def _common_len(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix, by bisection on slice equality (compared in C, not per token)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
