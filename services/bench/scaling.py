@@ -12,7 +12,7 @@ import asyncio
 import json
 import os
 
-from .shared_prefix import workload
+from .shared_prefix import warm_up, workload
 
 SIBLINGS = (10, 20, 40, 80, 160)
 PREAMBLES = (1000, 2000, 4000, 8000, 16000)
@@ -22,7 +22,8 @@ async def _ours(model: str, points: list[tuple[int, int]], vocab: int) -> list[d
     from .common import Timer, generate, served
     rows = []
     async with served(model) as (stack, http, base):
-        await generate(http, base, {"input_ids": list(range(5, 69)), "sampling_params": {"max_new_tokens": 2}})
+        await warm_up(lambda ids: generate(http, base, {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}),
+                      max(n for _, n in points))
         for pre_len, n in points:
             async with http.post(base + "/flush_cache", json={}) as r:
                 assert r.status == 200, await r.text()

@@ -26,11 +26,21 @@ def workload(preamble: int, suffix: int, n: int, vocab: int, seed: int = 7) -> t
     return pre, [[rng.randint(lo, hi) for _ in range(suffix)] for _ in range(n)]
 
 
+async def warm_up(send, n: int) -> None:
+    """One request alone, then n at once; 64 token ids below the workload's range (300+)."""
+    await send(list(range(5, 69)))
+    await asyncio.gather(*(send(list(range(5 + i % 200, 69 + i % 200))) for i in range(n)))
+
+
 async def _side(model: str, pre, sufs, out_tokens: int, cache: bool, first_alone: bool, dtype: str = "auto") -> dict:
     async with served(model, ex_disable_radix_cache=not cache, ex_dtype=dtype) as (stack, http, base):
         radix = stack.actors["radix"]
-        # warm up (first-call allocations), identically on both sides, with tokens outside the workload
-        await generate(http, base, {"input_ids": list(range(5, 69)), "sampling_params": {"max_new_tokens": 2}})
+        # warm up, identically on every side, with tokens outside the workload: first-call
+        # allocations, and a burst as wide as the workload's, so that the client's connections are
+        # open (a first burst that opens 40 connections arrives spread over ~100 ms and is admitted
+        # piecemeal, which on a hybrid model makes a late sibling recompute the preamble)
+        await warm_up(lambda ids: generate(http, base, {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}),
+                      len(sufs))
         # the peak of pages in use, from the pool's own high-water mark: a polling task here would wake
         # the event loop every few ms and slow the workload it measures
         for p in radix.pools.values():
@@ -87,7 +97,7 @@ async def _peer(url: str, pre, sufs, out_tokens: int, first_alone: bool) -> dict
                 if r.status != 200:
                     raise RuntimeError(f"{url}/v1/completions {r.status}: {out}")
                 return out
-        await complete(list(range(5, 69)), 2)                            # warm up, as on our side
+        await warm_up(lambda ids: complete(ids, 2), len(sufs))           # as on our side
         with Timer() as t:
             outs = []
             rest = sufs
