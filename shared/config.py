@@ -42,7 +42,7 @@ class ExecutorConfig:
     orphan_timeout_s: float = 3.5     # a request's scheduler silent this long: abort the request
     state_slots: int = 0              # hybrid: DeltaNet state slots (0: 2 per running request + 64)
     checkpoint_interval: int = 0      # hybrid: checkpoint long prefills every this many tokens (0: at chunk boundaries)
-    burst_gap_s: float = 0.004        # admission waits while requests keep arriving this close together
+    burst_gap_s: float = 0.002        # admission waits while requests keep arriving this close together
     burst_wait_s: float = 0.05        # ... but never longer than this (0 and 0: admit at once)
     jump_forward: int = 0             # structured output: draft tokens verified per step (0: off; README)
     disable_radix_cache: bool = False
@@ -57,6 +57,7 @@ class SchedulerConfig:
     request_timeout_s: float = 900.0  # an accepted request ends by then, whatever happens
     max_program_nodes: int = 1024     # programs: more nodes is a 400
     max_program_tokens: int = 2_000_000   # programs: own text plus generation budget of every node
+    local_detokenize: bool = True     # decode outputs in process when the model's tokenizer is readable here
     max_resamples: int = 3            # structured output: a finished output that fails its check is
                                       # sampled again (new seed) up to this many times, then a clear error
 

@@ -66,6 +66,28 @@ async def test_generate_stream_and_not(stack):
     assert len(events) >= 3          # streamed over several steps, not one blob
 
 
+async def test_in_process_detokenization_streams_what_the_tokenizer_service_does(stack):
+    """The scheduler decodes outputs itself once it has loaded the tokenizer the service names (same
+    identity); the streamed deltas are the tokenizer service's, chunk for chunk."""
+    sched = stack.actors["scheduler"]
+    body = {"text": "Grüße, 世界", "stream": True,
+            "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
+    await post(stack.base, "/generate", body | {"stream": False})       # names the tokenizer to the scheduler
+    for _ in range(300):
+        if sched.detok.local is not None:
+            break
+        await asyncio.sleep(0.1)
+    assert sched.detok.local is not None and sched.detok.local.identity
+    local = await post_sse(stack.base, "/generate", body)
+    tok, sched.detok.local = sched.detok.local, None
+    try:
+        remote = await post_sse(stack.base, "/generate", body)
+    finally:
+        sched.detok.local = tok
+    chunks = lambda events: [(e["text"], e["output_ids"]) for e in events[:-1]]
+    assert chunks(local) == chunks(remote) and local[-2]["text"]
+
+
 async def test_openai_routes_stream_equals_non_stream(stack):
     st, models = await _get(stack.base, "/v1/models")
     model = models["data"][0]["id"]

@@ -56,7 +56,7 @@ class EngineConfig:
     # a few big steps costs about half as much per request as in many small ones. So when requests
     # are still arriving (the last one less than burst_gap_s ago), admission waits, up to
     # burst_wait_s. A lone request waits burst_gap_s once.
-    burst_gap_s: float = 0.004
+    burst_gap_s: float = 0.002
     burst_wait_s: float = 0.05
     # structured output: draft the tokens of text the grammar forces and verify them in the next
     # decode step (jump.py); at most this many per step, 0: off

@@ -20,13 +20,14 @@ from radixflow.shared.bus import Bus
 from radixflow.shared.config import SchedulerConfig, ServiceConfig
 from radixflow.shared.errors import BadRequest, Overloaded, RadixflowError, ServiceUnavailable
 from radixflow.shared.histogram import Histogram
-from radixflow.shared.messages import (AbortRequest, Accepted, Constraint, DetokenizeReply, DetokenizeRequest,
+from radixflow.shared.messages import (AbortRequest, Accepted, Constraint,
                                        DetokItem, EncodeReply, EncodeRequest, ExecAccepted, ExecRequest, ExecutorInfo,
                                        GenerateRequest, GrammarCompile, GrammarCompiled, Heartbeat, ProgramQuery,
                                        ProgramRequest, RadixPlace, RadixPlaceReply, Sample, StatusRequest, StepOutput,
                                        StreamChunk, StreamError, TokenizerInfo, Usage)
 from radixflow.shared.validate import check_request
 
+from .detok import Detokenizer
 from .programs import ProgramDriver
 from .siblings import Siblings, child_rid
 from .structured import OutputCheck, check_constraint
@@ -60,6 +61,7 @@ class SchedulerService(Actor):
         self.itl = Histogram("inter_token_latency_seconds")
         self.e2e = Histogram("e2e_request_latency_seconds")
         self._eos: list[int] | None = None
+        self.detok = Detokenizer(bus, config.local_detokenize)
         self.output_subject = subjects.scheduler_output(self.instance)
         self.route(subjects.SCHEDULER_SUBMIT, GenerateRequest, self.submit, queue="scheduler")
         self.route(subjects.SCHEDULER_ABORT, AbortRequest, self.abort)
@@ -129,6 +131,7 @@ class SchedulerService(Actor):
         if self._eos is None:
             info = await self.bus.request(subjects.TOKENIZER_INFO, StatusRequest(), TokenizerInfo, timeout=10)
             self._eos = list(info.eos_token_ids)
+            self.detok.offer(info)
         return self._eos
 
     async def encode(self, text: str | None = None, messages=None, texts: list[str] | None = None) -> EncodeReply:
@@ -285,16 +288,15 @@ class SchedulerService(Actor):
         if not live:
             return
         try:
-            reply = await self.bus.request(subjects.TOKENIZER_DETOKENIZE, DetokenizeRequest(items=[
+            done = await self.detok.run([
                 DetokItem(ids=t.output_ids[t.prefix_offset:], prefix_offset=t.prefix_offset, read_offset=t.read_offset,
-                          skip_special_tokens=t.sampling.skip_special_tokens, flush=o.finished) for t, o in live]),
-                DetokenizeReply, timeout=10)
+                          skip_special_tokens=t.sampling.skip_special_tokens, flush=o.finished) for t, o in live])
         except RadixflowError as e:
             for t, _ in live:
                 await self._fail(t, e.code, e.kind, f"detokenization failed: {e.message}", abort=True)
             return
         stopped: dict[str, list[str]] = {}
-        for (t, o), d in zip(live, reply.items):
+        for (t, o), d in zip(live, done):
             t.prefix_offset, t.read_offset = d.prefix_offset, d.read_offset
             text, hit = t.stops.feed(d.text, final=o.finished)
             if t.check is not None:

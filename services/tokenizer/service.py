@@ -3,6 +3,7 @@ Stateless, so any number of instances share the `tokenizer` queue group."""
 from __future__ import annotations
 
 import asyncio
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -73,4 +74,4 @@ class TokenizerService(Actor):
 
     async def info(self, _: StatusRequest) -> TokenizerInfo:
         return TokenizerInfo(vocab_size=self.tok.vocab_size, eos_token_ids=sorted(self.tok.eos_token_ids),
-                             identity=self.tok.identity)
+                             identity=self.tok.identity, path=os.path.abspath(self.model_path))

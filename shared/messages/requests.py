@@ -168,6 +168,7 @@ class TokenizerInfo(Msg):
     vocab_size: int
     eos_token_ids: list[int]
     identity: str
+    path: str = ""                    # the model directory it loaded (a scheduler on the same host may load it too)
 
 
 # ---------------------------------------------------------------- scheduler -> executor
