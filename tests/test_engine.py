@@ -209,3 +209,34 @@ def test_mixed_prefill_decode_steps_change_no_output_and_keep_decoding(models, n
     # without mixing the short requests wait out the prefill steps (the admission step, where the
     # long prompts join, may still be a decode of the short ones); with it, never
     assert on_waits == 0 and off_waits >= 2
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-hybrid"])
+def test_overlap_changes_no_output(models, name):
+    """With overlap, the exchange with the page authority (admissions, progress, releases) travels
+    while a step computes and its admissions join the next step; without, the step waits for it.
+    Requests arriving while others decode, some sharing a prefix and some finishing early: greedy
+    tokens are the same either way, and nothing leaks."""
+    shared = prompt(77, 300)
+    first = [req(f"a{i}", prompt(60 + i, 40), max_new_tokens=20, ignore_eos=True) for i in range(3)]
+    later = [req(f"b{i}", shared + prompt(70 + i, 30 + 7 * i), max_new_tokens=6 + i, ignore_eos=True) for i in range(4)]
+    results = {}
+    for overlap in (True, False):
+        e = Engine(EngineConfig(model=models[name], page_size=16, max_total_tokens=16384, max_running_requests=8,
+                                overlap=overlap, burst_gap_s=0))
+        for r in first:
+            e.add(r)
+        out: dict[str, list[int]] = {}
+        step = 0
+        while e.has_work():
+            if step in (2, 5):
+                for r in later[:2] if step == 2 else later[2:]:
+                    e.add(r)
+            for _, o in e.step():
+                out.setdefault(o.rid, []).extend(o.token_ids)
+            step += 1
+        assert no_leak(e)
+        results[overlap] = (out, e.overlapped)
+    (on, n_on), (off, n_off) = results[True], results[False]
+    assert on == off and len(on) == 7 and all(len(on[r.rid]) == r.sampling.max_new_tokens for r in first + later)
+    assert n_on >= 5 and n_off == 0

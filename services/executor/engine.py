@@ -61,6 +61,11 @@ class EngineConfig:
     # structured output: draft the tokens of text the grammar forces and verify them in the next
     # decode step (jump.py); at most this many per step, 0: off
     jump_forward: int = 0
+    # Overlap (SGLang's overlap scheduler, for the page authority): while sequences are running, a
+    # step's exchange with radix travels while the step computes, and its admissions join the next
+    # step, so the round trip is off the compute thread's critical path. An idle engine still
+    # waits for its exchange (there is nothing to overlap, and a lone request should start now)
+    overlap: bool = True
 
 
 class Engine:
@@ -98,6 +103,7 @@ class Engine:
         self._last_arrival = 0.0
         self.steps = 0
         self.mixed_steps = 0     # prefill steps that carried decode rows
+        self.overlapped = 0      # exchanges that travelled while a step computed
         self.counters = {"prompt_tokens_total": 0, "cached_tokens_total": 0, "prefill_tokens_computed_total": 0,
                          "generated_tokens_total": 0, "requests_total": 0}
         # for /metrics: a step's model time (runner and output handling) by phase, and how long a
@@ -213,6 +219,11 @@ class Engine:
         """One step; returns (output subject, output) for every sequence that advanced or ended."""
         self._await_burst()
         outs = self._intake()
+        if self.cfg.overlap and self.batcher.running:
+            pending = self._send()
+            self.overlapped += pending is not None
+            outs += self._compute()
+            return outs + (self._receive(*pending) if pending else [])
         outs += self._exchange()
         for _ in range(3):
             # requests that arrived while we waited on the page authority join this step rather than
@@ -222,6 +233,10 @@ class Engine:
                     break
             outs += self._intake()
             outs += self._exchange()
+        return outs + self._compute()
+
+    def _compute(self) -> list[tuple[str, SeqOutput]]:
+        outs = []
         plan = self.batcher.schedule()
         if plan is None:
             return outs
@@ -264,11 +279,16 @@ class Engine:
         return outs
 
     def _exchange(self) -> list[tuple[str, SeqOutput]]:
+        pending = self._send()
+        return self._receive(*pending) if pending else []
+
+    def _send(self) -> tuple | None:
         msg = self.batcher.radix_message()
-        if msg is None:
-            return []
+        return None if msg is None else (msg, self.pages.send(msg))
+
+    def _receive(self, msg, reply_of) -> list[tuple[str, SeqOutput]]:
         try:
-            reply = self.pages.step(msg)
+            reply = reply_of()
         except NotFound:
             # the authority restarted and forgot our pool: every page we hold may be handed out again
             lost = self.batcher.fail_all()

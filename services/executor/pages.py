@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from radixflow.services.radix.pool import PagePool
 from radixflow.shared import subjects
@@ -26,6 +27,18 @@ class PageAuthority(ABC):
     def step(self, msg: RadixStep) -> RadixStepReply:
         """Apply releases, then progress, then admit candidates (all-or-nothing each). Raises a
         RadixflowError when the authority cannot be reached; NotFound when it lost this pool."""
+
+    def send(self, msg: RadixStep) -> Callable[[], RadixStepReply]:
+        """`step` without waiting: returns a call that gives its reply (or raises its error), so the
+        executor can compute while the authority answers (overlap). Messages are answered in order;
+        the executor keeps at most one in flight."""
+        try:
+            reply = self.step(msg)
+        except Exception as e:
+            def fail(e=e):
+                raise e
+            return fail
+        return lambda: reply
 
     def stats(self) -> dict[str, int]:
         return {}
@@ -70,3 +83,8 @@ class RemotePages(PageAuthority):
 
     def step(self, msg: RadixStep) -> RadixStepReply:
         return self._call(subjects.radix_step(self.pool), msg, RadixStepReply)
+
+    def send(self, msg: RadixStep):
+        fut = asyncio.run_coroutine_threadsafe(
+            self.bus.request(subjects.radix_step(self.pool), msg, RadixStepReply, timeout=self.timeout_s), self.loop)
+        return lambda: fut.result(self.timeout_s + 1)
