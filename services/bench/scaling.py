@@ -18,10 +18,10 @@ SIBLINGS = (10, 20, 40, 80, 160)
 PREAMBLES = (1000, 2000, 4000, 8000, 16000)
 
 
-async def _ours(model: str, points: list[tuple[int, int]], vocab: int) -> list[dict]:
+async def _ours(model: str, points: list[tuple[int, int]], vocab: int, dtype: str = "auto") -> list[dict]:
     from .common import Timer, generate, served
     rows = []
-    async with served(model) as (stack, http, base):
+    async with served(model, ex_dtype=dtype) as (stack, http, base):
         await warm_up(lambda ids: generate(http, base, {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}),
                       max(n for _, n in points))
         for pre_len, n in points:
@@ -55,11 +55,12 @@ async def _peer(url: str, points: list[tuple[int, int]], vocab: int) -> list[dic
     return rows
 
 
-def run_scaling(model: str, against: str | None = None, siblings=SIBLINGS, preambles=PREAMBLES) -> dict:
+def run_scaling(model: str, against: str | None = None, siblings=SIBLINGS, preambles=PREAMBLES,
+                dtype: str = "auto") -> dict:
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
     points = [(3000, n) for n in siblings] + [(p, 40) for p in preambles]
-    out = {"model": model, "points": [{"preamble": p, "siblings": n} for p, n in points],
-           "radixflow": asyncio.run(_ours(model, points, vocab))}
+    out = {"model": model, "dtype": dtype, "points": [{"preamble": p, "siblings": n} for p, n in points],
+           "radixflow": asyncio.run(_ours(model, points, vocab, dtype))}
     if against:
         out["against"] = {"url": against, "rows": asyncio.run(_peer(against.rstrip("/"), points, vocab))}
         for a, b in zip(out["radixflow"], out["against"]["rows"]):

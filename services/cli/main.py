@@ -182,7 +182,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         out = run_structured(model, batch=16, rounds=a.rounds)
     elif a.which == "scaling":
         from radixflow.services.bench.scaling import run_scaling
-        out = run_scaling(model, a.against)
+        out = run_scaling(model, a.against, dtype=a.dtype)
     elif a.which == "mixed":
         from radixflow.services.bench.mixed import run_mixed
         out = run_mixed(model, rounds=a.rounds)
