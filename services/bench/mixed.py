@@ -44,7 +44,9 @@ def _round(engine, r: int, decoding: int, burst: int, prompt_len: int, vocab: in
             if o.rid in last and o.token_ids:
                 if last[o.rid] < done_at:     # a wait that overlapped the burst's prefill
                     gaps.append(now - last[o.rid])
-                    during += bool(pending)
+                    # a token from a prefill step (a decode step before the burst's admission, with
+                    # overlap, is not "during" its prefill)
+                    during += bool(pending) and not engine.runner.last.is_decode
                 last[o.rid] = now
         if not pending and done_at == float("inf"):
             done_at = now
