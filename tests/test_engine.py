@@ -240,3 +240,19 @@ def test_overlap_changes_no_output(models, name):
     (on, n_on), (off, n_off) = results[True], results[False]
     assert on == off and len(on) == 7 and all(len(on[r.rid]) == r.sampling.max_new_tokens for r in first + later)
     assert n_on >= 5 and n_off == 0
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_more_requests_than_running_slots_all_finish(models, overlap):
+    """Requests beyond max_running_requests wait and are admitted as others finish. With overlap a
+    batch can finish after the step's message was sent; the waiting ones must still be asked for
+    again (they once were not: the engine reported no work while 8 of them waited forever)."""
+    e = Engine(EngineConfig(model=models["tiny-dense"], page_size=16, max_total_tokens=16384, max_running_requests=4,
+                            overlap=overlap, burst_gap_s=0))
+    for i in range(12):
+        e.add(req(f"q{i}", prompt(300 + i, 24), max_new_tokens=2))
+    done, steps = set(), 0
+    while e.has_work() and steps < 200:
+        done |= {o.rid for _, o in e.step() if o.finished}
+        steps += 1
+    assert len(done) == 12 and e.num_waiting == 0 and no_leak(e)

@@ -110,7 +110,10 @@ class Batcher:
             seq.status = Status.RUNNING
             self.running.append(seq)
             started.append(seq)
-        self._retry = retry or self._unasked
+        # releases not yet sent free pages and slots once they are: ask again then (with overlap, a
+        # sequence can finish after the message this reply answers was sent, so finish()'s own
+        # retry flag would be lost here and the waiting requests never asked for again)
+        self._retry = retry or self._unasked or bool(self.releases)
         return started
 
     # ------------------------------------------------------------ planning
