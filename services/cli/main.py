@@ -37,8 +37,8 @@ def _serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
     p.add_argument("--device", default=None, help="auto | cpu | cuda")
     p.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16"),
-                   help="compute and KV dtype (default auto: bf16 on GPUs and on CPUs that multiply bf16 "
-                        "natively, measured at start; else fp32)")
+                   help="compute and KV dtype (default auto: bf16 on a GPU, fp32 on a CPU; bfloat16 on a CPU "
+                        "with AMX is faster but can change greedy tokens at near-ties)")
     p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     p.add_argument("--mem-fraction", type=float, default=None,

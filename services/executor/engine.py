@@ -34,8 +34,8 @@ _log = log.get("executor")
 class EngineConfig:
     model: str
     device: str = "auto"
-    # compute and KV dtype: float32 | bfloat16 | auto (runner.pick_dtype: measured on a CPU). The
-    # plain class defaults to fp32, the exact reference path; the service's default is auto
+    # compute and KV dtype: float32 | bfloat16 | auto (runner.pick_dtype: bf16 on a GPU, fp32 on a
+    # CPU). The plain class defaults to fp32, the exact reference path; the service's default is auto
     dtype: str = "float32"
     page_size: int = 16
     max_total_tokens: int = 0        # 0: auto (from mem_fraction when set, else 2 x max_model_len, >= 131072)

@@ -44,12 +44,12 @@ class ForwardBatch:
     rows_of: list[list[int]] | None = None         # plan sequence -> its rows, by depth
     order_pos: dict[str, int] | None = None        # request id -> its sequence's place in that order
     saved: list = field(default_factory=list)      # per DeltaNet layer: ([conv state after depth d], [recurrent ...])
-    # a mixed step (prefill chunks, then decode rows): attention's view of each part (rows
-    # [0, P) are the prefill part's, the rest the decode part's)
     # hybrid prefill: states wanted inside a sequence's chunk (planned checkpoints), so that a
     # checkpoint does not cut the step: seq index -> [(k, slot)], the state after its first k new
     # tokens (0 < k < extend_len) copied to `slot`, ascending k
     taps: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    # a mixed step (prefill chunks, then decode rows): attention's view of each part (rows
+    # [0, P) are the prefill part's, the rest the decode part's)
     prefill_part: "ForwardBatch | None" = None
     decode_part: "ForwardBatch | None" = None
     _singles: tuple | None = None

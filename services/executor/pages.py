@@ -82,7 +82,7 @@ class RemotePages(PageAuthority):
                 time.sleep(0.2)
 
     def step(self, msg: RadixStep) -> RadixStepReply:
-        return self._call(subjects.radix_step(self.pool), msg, RadixStepReply)
+        return self.send(msg)()
 
     def send(self, msg: RadixStep):
         fut = asyncio.run_coroutine_threadsafe(

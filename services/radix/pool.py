@@ -424,4 +424,3 @@ class PagePool:
                     "state_slots_used": self.num_state_slots - len(self._free_states),
                     "state_slots_cached": sum(1 for n in self.tree.nodes() if n.state is not None)}
         return out
-

@@ -51,10 +51,5 @@ class Detokenizer:
             reply = await self.bus.request(subjects.TOKENIZER_DETOKENIZE, DetokenizeRequest(items=items),
                                            DetokenizeReply, timeout=10)
             return reply.items
-        out = []
-        for it in items:
-            # the same window arithmetic as the tokenizer service (tokenizer.detokenize_incremental)
-            text, p, r = self.local.detokenize_incremental(it.ids, 0, it.read_offset - it.prefix_offset,
-                                                           it.skip_special_tokens, flush=it.flush)
-            out.append(DetokResult(text=text, prefix_offset=p + it.prefix_offset, read_offset=r + it.prefix_offset))
-        return out
+        from radixflow.services.tokenizer.service import detokenize_items   # loaded with the tokenizer
+        return detokenize_items(self.local, items)

@@ -13,8 +13,8 @@ from radixflow.shared.actor import Actor
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import ServiceConfig
 from radixflow.shared.errors import BadRequest
-from radixflow.shared.messages import (DetokenizeReply, DetokenizeRequest, DetokResult, EncodeReply, EncodeRequest,
-                                       StatusRequest, TokenizerInfo)
+from radixflow.shared.messages import (DetokenizeReply, DetokenizeRequest, DetokItem, DetokResult, EncodeReply,
+                                       EncodeRequest, StatusRequest, TokenizerInfo)
 
 from .tokenizer import Tokenizer
 
@@ -64,14 +64,19 @@ class TokenizerService(Actor):
         return EncodeReply(input_ids=ids)
 
     async def detokenize(self, req: DetokenizeRequest) -> DetokenizeReply:
-        out = []
-        for it in req.items:
-            # the window starts at prefix_offset: shift offsets into it and back (see Tokenizer docs)
-            text, p, r = self.tok.detokenize_incremental(it.ids, 0, it.read_offset - it.prefix_offset,
-                                                         it.skip_special_tokens, flush=it.flush)
-            out.append(DetokResult(text=text, prefix_offset=p + it.prefix_offset, read_offset=r + it.prefix_offset))
-        return DetokenizeReply(items=out)
+        return DetokenizeReply(items=detokenize_items(self.tok, req.items))
 
     async def info(self, _: StatusRequest) -> TokenizerInfo:
         return TokenizerInfo(vocab_size=self.tok.vocab_size, eos_token_ids=sorted(self.tok.eos_token_ids),
                              identity=self.tok.identity, path=os.path.abspath(self.model_path))
+
+
+def detokenize_items(tok: Tokenizer, items: list[DetokItem]) -> list[DetokResult]:
+    """A DetokenizeRequest's items (also what a scheduler with a local tokenizer runs)."""
+    out = []
+    for it in items:
+        # the window starts at prefix_offset: shift offsets into it and back (see Tokenizer docs)
+        text, p, r = tok.detokenize_incremental(it.ids, 0, it.read_offset - it.prefix_offset,
+                                                it.skip_special_tokens, flush=it.flush)
+        out.append(DetokResult(text=text, prefix_offset=p + it.prefix_offset, read_offset=r + it.prefix_offset))
+    return out

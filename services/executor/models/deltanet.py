@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixflow.kernels.causal_conv1d import (causal_conv1d, causal_conv1d_padded, causal_conv1d_update,
-                                             causal_conv1d_update_depths)
+from radixflow.kernels.causal_conv1d import causal_conv1d_padded, causal_conv1d_update, causal_conv1d_update_depths
 from radixflow.kernels.gated_delta_rule import (chunk_gated_delta_rule, gated_delta_rule_decode,
                                                 gated_delta_rule_decode_depths)
 
@@ -58,21 +57,12 @@ class GatedDeltaNet(nn.Module):
             ones, rows, rest = batch.single_rows()
             if ones:   # one-token sequences (a mixed step's decode rows): batched, as in a decode step
                 out[rows] = self._conv_step(mixed[rows], conv, slots[ones])
-            bounds, slot_list = batch.bounds(), slots.tolist()
+            bounds = batch.bounds()
             lens = [bounds[i][1] - bounds[i][0] for i in rest]
-            if len(rest) > 1 and max(lens) * len(rest) <= PAD_WASTE * sum(lens):
-                self._conv_padded(mixed, out, conv, batch, [bounds[i] for i in rest], rest, slots[rest])
-                rest = []
-            for i in rest:
-                (s, e), slot = bounds[i], slot_list[i]
-                x = mixed[s:e].T
-                for n, dst in batch.taps.get(i, ()):
-                    # the conv state after n tokens: the last W-1 inputs of (state ++ first n)
-                    xx = torch.cat([conv[slot], x[:, :n].to(conv.dtype)], dim=-1)
-                    conv[dst] = xx[:, xx.shape[-1] - conv.shape[-1]:]
-                y, final = causal_conv1d(x, self.conv_weight, conv[slot])
-                out[s:e] = y.T
-                conv[slot] = final
+            # similar lengths share one padded call; else each sequence is a padded batch of one
+            groups = [rest] if len(rest) > 1 and max(lens) * len(rest) <= PAD_WASTE * sum(lens) else [[i] for i in rest]
+            for g in groups:
+                self._conv_padded(mixed, out, conv, batch, [bounds[i] for i in g], g, slots[g])
             mixed = out
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, self.hk, self.dk)
@@ -110,8 +100,8 @@ class GatedDeltaNet(nn.Module):
 
     def _conv_padded(self, mixed, out, conv, batch: ForwardBatch, bounds: list[tuple[int, int]], seqs: list[int],
                      slots: torch.Tensor) -> None:
-        """Several sequences' conv as one call, right-padded to the longest (its taps read the
-        padded inputs too)."""
+        """Sequences' conv as one call, right-padded to the longest; each tap's conv state (the W-1
+        inputs before it) is read from the padded inputs."""
         rows, real = _padded_rows(bounds, mixed.shape[0], mixed.device)
         x = torch.cat([mixed, mixed.new_zeros(1, mixed.shape[1])])[rows].transpose(1, 2)   # [B, C, L]
         lens = torch.tensor([e - s for s, e in bounds], device=mixed.device)
