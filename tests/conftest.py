@@ -8,6 +8,10 @@ import pytest
 from radixflow.shared.natsd import NatsServer
 
 os.environ.setdefault("RADIXFLOW_LOG_LEVEL", "warning")
+# without a GPU the Triton kernels run in Triton's interpreter (numpy), so their parity tests run
+# on the CPU. Read when a kernel is decorated: set before any kernel module is imported
+if os.environ.get("RADIXFLOW_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

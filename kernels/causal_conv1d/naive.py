@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_conv1d", "causal_conv1d_padded", "causal_conv1d_update", "causal_conv1d_update_depths"]
+__all__ = ["causal_conv1d", "causal_conv1d_padded", "causal_conv1d_update", "causal_conv1d_update_slots",
+           "causal_conv1d_update_depths"]
 
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -110,6 +111,21 @@ def causal_conv1d_update(
     y = (window * weight.float()).sum(-1)  # [N, C]
     state.copy_(window[..., 1:])  # shift: drop the oldest input (nothing to keep when W == 1)
     return _activate(y, activation).to(x.dtype)
+
+
+def causal_conv1d_update_slots(
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    weight: torch.Tensor,
+    slots: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """causal_conv1d_update on states that live in a pool: sequence n's state is pool[slots[n]]
+    ([P, C, W-1], shifted IN PLACE there; slots distinct). Returns y [N, C] in x's dtype."""
+    st = pool[slots]
+    y = causal_conv1d_update(x, st, weight, activation)
+    pool[slots] = st
+    return y
 
 
 def causal_conv1d_update_depths(

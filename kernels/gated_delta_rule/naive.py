@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["recurrent_gated_delta_rule", "chunk_gated_delta_rule", "gated_delta_rule_decode",
-           "gated_delta_rule_decode_depths", "l2norm"]
+           "gated_delta_rule_decode_slots", "gated_delta_rule_decode_depths", "l2norm"]
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -133,6 +133,31 @@ def gated_delta_rule_decode(
         o = _decode_step(q, k, v.float(), g.float(), beta.float(), work)
         state.copy_(work)
     return o.to(out_dtype)
+
+
+def gated_delta_rule_decode_slots(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """gated_delta_rule_decode on states that live in a pool: sequence n's state is
+    pool[slots[n]], read and written back there (slots distinct).
+
+    Args:
+        q, k: [N, Hk, K];  v: [N, Hv, V];  g, beta: [N, Hv]
+        pool: [P, Hv, K, V], updated IN PLACE at `slots` ([N] int64)
+    Returns:
+        o: [N, Hv, V] in q's dtype
+    """
+    st = pool[slots]                                   # a gathered copy: the kernel updates in place
+    o = gated_delta_rule_decode(q, k, v, g, beta, st, use_qk_l2norm)
+    pool[slots] = st
+    return o
 
 
 def gated_delta_rule_decode_depths(

@@ -39,6 +39,8 @@ def _serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16"),
                    help="compute and KV dtype (default auto: bf16 on a GPU, fp32 on a CPU; bfloat16 on a CPU "
                         "with AMX is faster but can change greedy tokens at near-ties)")
+    p.add_argument("--kernels", default=None, choices=("auto", "torch", "triton"),
+                   help="decode kernels (default auto: Triton on a GPU, the torch references elsewhere)")
     p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     p.add_argument("--mem-fraction", type=float, default=None,
@@ -67,7 +69,8 @@ def _serving_args(p: argparse.ArgumentParser) -> None:
 
 
 def _overrides(a: argparse.Namespace) -> dict:
-    return dict(ex_served_model_name=a.served_model_name, ex_device=a.device, ex_dtype=a.dtype, ex_page_size=a.page_size,
+    return dict(ex_served_model_name=a.served_model_name, ex_device=a.device, ex_dtype=a.dtype, ex_kernels=a.kernels,
+                ex_page_size=a.page_size,
                 ex_max_total_tokens=a.max_total_tokens, ex_mem_fraction=a.mem_fraction,
                 ex_max_running_requests=a.max_running_requests,
                 ex_max_prefill_tokens=a.max_prefill_tokens,

@@ -37,6 +37,9 @@ class EngineConfig:
     # compute and KV dtype: float32 | bfloat16 | auto (runner.pick_dtype: bf16 on a GPU, fp32 on a
     # CPU). The plain class defaults to fp32, the exact reference path; the service's default is auto
     dtype: str = "float32"
+    # paged-attention and DeltaNet decode kernels: auto | torch | triton (kernels.dispatch: Triton on
+    # CUDA, the torch references elsewhere)
+    kernels: str = "auto"
     page_size: int = 16
     max_total_tokens: int = 0        # 0: auto (from mem_fraction when set, else 2 x max_model_len, >= 131072)
     mem_fraction: float = 0.0        # > 0: KV and state pools take this share of free device memory, less the weights
@@ -81,7 +84,7 @@ class Engine:
         self.page_size = cfg.page_size
         self.num_pages = pages_for(total, cfg.page_size)
         self.runner = ModelRunner(cfg.model, device=cfg.device, dtype=cfg.dtype, page_size=cfg.page_size,
-                                  num_pages=self.num_pages, num_state_slots=num_slots)
+                                  num_pages=self.num_pages, num_state_slots=num_slots, kernels=cfg.kernels)
         self.spec = self.runner.spec
         self.cache = not cfg.disable_radix_cache
         self.runner.warmup()

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from radixflow.kernels.attention import SharedPrefix
+from radixflow.kernels.dispatch import Kernels, reference
+
+REFERENCE = reference()
 
 
 @dataclass
@@ -52,6 +55,9 @@ class ForwardBatch:
     # [0, P) are the prefill part's, the rest the decode part's)
     prefill_part: "ForwardBatch | None" = None
     decode_part: "ForwardBatch | None" = None
+    # which implementation of the paged-cache and DeltaNet decode ops the layers call (the runner's
+    # pick: radixflow.kernels.dispatch)
+    kernels: Kernels = REFERENCE
     _singles: tuple | None = None
 
     @property

@@ -9,6 +9,7 @@ import torch
 from . import sampler
 from .batcher import Plan
 from radixflow.kernels.attention import SharedPrefix
+from radixflow.kernels.dispatch import pick as pick_kernels
 
 from .constrain import Constrainer, allowed_tokens
 from .forward_batch import ForwardBatch
@@ -94,9 +95,11 @@ def shared_prefixes(tables: list[list[int]], limits: list[int], page_size: int,
 
 class ModelRunner:
     def __init__(self, model_path: str, *, device: str = "auto", page_size: int, num_pages: int,
-                 num_state_slots: int, dtype: str = "float32", state_dtype: torch.dtype = torch.float32):
+                 num_state_slots: int, dtype: str = "float32", state_dtype: torch.dtype = torch.float32,
+                 kernels: str = "auto"):
         self.device = pick_device(device)
         self.dtype = pick_dtype(self.device, dtype)
+        self.kernels = pick_kernels(self.device, kernels)
         self.spec = ModelSpec.from_dir(model_path)
         self.model: CausalLM = load_model(model_path, self.device, self.dtype)
         self.plan = MemoryPlan(page_size=page_size, num_pages=num_pages,
@@ -144,10 +147,15 @@ class ModelRunner:
         with a jump-forward draft has a row per position (its pending token, then the draft), each
         one token attending to everything before it: fb.rows_of says which row is which."""
         if plan.is_decode:
-            return self._build_decode(plan), list(range(len(plan.seqs))), []
-        if plan.mixed:
-            return self._build_mixed(plan)
-        return self._build_prefill(plan)
+            fb, want, lp = self._build_decode(plan), list(range(len(plan.seqs))), []
+        elif plan.mixed:
+            fb, want, lp = self._build_mixed(plan)
+        else:
+            fb, want, lp = self._build_prefill(plan)
+        for part in (fb, fb.prefill_part, fb.decode_part):
+            if part is not None:
+                part.kernels = self.kernels
+        return fb, want, lp
 
     def _build_mixed(self, plan: Plan) -> tuple[ForwardBatch, list[int], list[tuple[int, int]]]:
         """A prefill step whose last sequences are decode rows, one token each: the rows run through

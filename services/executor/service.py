@@ -58,7 +58,8 @@ class ExecutorService(Actor):
         if cfg.num_threads:
             import torch
             torch.set_num_threads(cfg.num_threads)
-        ecfg = EngineConfig(model=cfg.model, device=cfg.device, dtype=cfg.dtype, page_size=cfg.page_size,
+        ecfg = EngineConfig(model=cfg.model, device=cfg.device, dtype=cfg.dtype, kernels=cfg.kernels,
+                            page_size=cfg.page_size,
                             max_total_tokens=cfg.max_total_tokens, mem_fraction=cfg.mem_fraction,
                             max_model_len=cfg.max_model_len,
                             max_running_requests=cfg.max_running_requests, max_prefill_tokens=cfg.max_prefill_tokens,
@@ -83,6 +84,7 @@ class ExecutorService(Actor):
         self.spawn("orphans", self._orphans)
         runner = self.engine.runner
         self.log.info("model loaded", model=cfg.model, device=str(runner.device), dtype=str(runner.dtype),
+                      kernels=runner.kernels.name,
                       max_model_len=self.engine.max_model_len)
         if cfg.dtype == "auto" and runner.device.type == "cpu":
             from .runner import cpu_bf16_speedup

@@ -4,8 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixflow.kernels.attention import (cascade_decode, cascade_prefill, decode_attention, prefill_attention,
-                                         write_kv)
+from radixflow.kernels.attention import cascade_decode, cascade_prefill, prefill_attention
 
 from ..forward_batch import ForwardBatch
 from .layers import RMSNorm, Rotary
@@ -38,7 +37,7 @@ class Attention(nn.Module):
         q = self.rotary(self.q_norm(q.reshape(T, self.h, self.d)), batch.positions)       # [T, H, D]
         k = self.rotary(self.k_norm(k.reshape(T, self.hkv, self.d)), batch.positions)     # [T, Hkv, D]
         v = v.reshape(T, self.hkv, self.d)
-        write_kv(k_cache, v_cache, batch.out_slots, k, v)
+        batch.kernels.write_kv(k_cache, v_cache, batch.out_slots, k, v)
         if batch.decode_part is not None:
             P = batch.prefill_part.input_ids.shape[0]
             o = torch.cat([self._attend(q[:P], batch.prefill_part, k_cache, v_cache),
@@ -57,7 +56,7 @@ class Attention(nn.Module):
             o = cascade_prefill(q, k_cache, v_cache, batch.bounds(), batch.seq_slots, batch.prefix_lens,
                                 batch.groups, self.scale)
         elif batch.is_decode:
-            o = decode_attention(q, k_cache, v_cache, batch.slot_table, batch.seq_lens, self.scale)
+            o = batch.kernels.decode_attention(q, k_cache, v_cache, batch.slot_table, batch.seq_lens, self.scale)
         else:
             o = torch.empty_like(q)
             for i, (s, e) in enumerate(batch.bounds()):

@@ -12,9 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixflow.kernels.causal_conv1d import causal_conv1d_padded, causal_conv1d_update, causal_conv1d_update_depths
-from radixflow.kernels.gated_delta_rule import (chunk_gated_delta_rule, gated_delta_rule_decode,
-                                                gated_delta_rule_decode_depths)
+from radixflow.kernels.causal_conv1d import causal_conv1d_padded, causal_conv1d_update_depths
+from radixflow.kernels.gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_decode_depths
 
 from ..forward_batch import ForwardBatch
 from .layers import GatedRMSNorm
@@ -51,12 +50,12 @@ class GatedDeltaNet(nn.Module):
             batch.saved.append(saved)
             mixed = self._conv_by_depth(mixed, batch, conv, saved[0])
         elif batch.is_decode:
-            mixed = self._conv_step(mixed, conv, slots)
+            mixed = batch.kernels.causal_conv1d_update_slots(mixed, conv, self.conv_weight, slots)
         else:
             out = torch.empty_like(mixed)
             ones, rows, rest = batch.single_rows()
             if ones:   # one-token sequences (a mixed step's decode rows): batched, as in a decode step
-                out[rows] = self._conv_step(mixed[rows], conv, slots[ones])
+                out[rows] = batch.kernels.causal_conv1d_update_slots(mixed[rows], conv, self.conv_weight, slots[ones])
             bounds = batch.bounds()
             lens = [bounds[i][1] - bounds[i][0] for i in rest]
             # similar lengths share one padded call; else each sequence is a padded batch of one
@@ -73,30 +72,16 @@ class GatedDeltaNet(nn.Module):
         if saved is not None:
             o = self._rule_by_depth(q, k, v, g, beta, batch, rec, saved[1])
         elif batch.is_decode:
-            o = self._rule_step(q, k, v, g, beta, rec, slots)
+            o = batch.kernels.gated_delta_rule_decode_slots(q, k, v, g, beta, rec, slots)
         else:
             o = torch.empty_like(v)
             ones, rows, rest = batch.single_rows()
             if ones:
-                o[rows] = self._rule_step(q[rows], k[rows], v[rows], g[rows], beta[rows], rec, slots[ones])
+                o[rows] = batch.kernels.gated_delta_rule_decode_slots(q[rows], k[rows], v[rows], g[rows], beta[rows], rec,
+                                                                        slots[ones])
             self._rule_prefill(q, k, v, g, beta, o, rec, batch, slots, rest)
         o = self.norm(o, z.reshape(T, self.hv, self.dv))
         return self.out_proj(o.reshape(T, self.value_dim))
-
-    def _conv_step(self, x: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """One token of each sequence: their conv states gathered, shifted and written back."""
-        st = conv[slots]                                                      # [N, C, W-1] (a copy)
-        y = causal_conv1d_update(x, st, self.conv_weight)                      # [N, C]
-        conv[slots] = st
-        return y
-
-    @staticmethod
-    def _rule_step(q, k, v, g, beta, rec: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """One token of each sequence through the rule, their states gathered and written back."""
-        st = rec[slots]                                                       # [N, Hv, Dk, Dv] (a copy)
-        o = gated_delta_rule_decode(q, k, v, g, beta, st)
-        rec[slots] = st
-        return o
 
     def _conv_padded(self, mixed, out, conv, batch: ForwardBatch, bounds: list[tuple[int, int]], seqs: list[int],
                      slots: torch.Tensor) -> None:

@@ -1,0 +1,61 @@
+"""Which implementation of each op the executor runs: the pure-torch references (always there) or
+the Triton kernels beside them, chosen once per model runner.
+
+    auto    the kernels on a CUDA device, the references elsewhere (a CPU has no Triton backend)
+    torch   the references everywhere
+    triton  the kernels everywhere; on a CPU only under TRITON_INTERPRET=1 (Triton's interpreter,
+            which is how the parity tests and CI run them without a GPU)
+
+RADIXFLOW_KERNELS, when set, overrides the configured choice. A kernel and its reference share one
+signature (the reference's docstring holds the contract), so callers never branch on the choice.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+__all__ = ["Kernels", "CHOICES", "pick", "reference", "triton_kernels"]
+
+CHOICES = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    name: str                                  # "torch" | "triton"
+    write_kv: Callable                         # attention.naive.write_kv
+    decode_attention: Callable                 # attention.naive.decode_attention
+    gated_delta_rule_decode_slots: Callable    # gated_delta_rule.naive.gated_delta_rule_decode_slots
+    causal_conv1d_update_slots: Callable       # causal_conv1d.naive.causal_conv1d_update_slots
+
+
+def reference() -> Kernels:
+    from .attention.naive import decode_attention, write_kv
+    from .causal_conv1d.naive import causal_conv1d_update_slots
+    from .gated_delta_rule.naive import gated_delta_rule_decode_slots
+    return Kernels("torch", write_kv, decode_attention, gated_delta_rule_decode_slots, causal_conv1d_update_slots)
+
+
+def triton_kernels() -> Kernels:
+    from .attention.triton_decode import decode_attention
+    from .attention.triton_write import write_kv
+    from .causal_conv1d.triton_update import causal_conv1d_update_slots
+    from .gated_delta_rule.triton_decode import gated_delta_rule_decode_slots
+    return Kernels("triton", write_kv, decode_attention, gated_delta_rule_decode_slots, causal_conv1d_update_slots)
+
+
+def pick(device: torch.device, choice: str = "auto") -> Kernels:
+    """The kernels for `device` (see the module docstring); a clear error for an impossible choice."""
+    choice = os.environ.get("RADIXFLOW_KERNELS") or choice
+    if choice not in CHOICES:
+        raise ValueError(f"kernels must be one of {', '.join(CHOICES)}, not {choice!r}")
+    if choice == "auto":
+        choice = "triton" if device.type == "cuda" else "torch"
+    if choice == "torch":
+        return reference()
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"Triton kernels need a CUDA device (this runner is on {device.type}); "
+                         "on a CPU they run only under TRITON_INTERPRET=1, for testing")
+    return triton_kernels()

@@ -1,0 +1,166 @@
+"""Every Triton kernel against its torch reference, on awkward sizes (issue 12): outputs and the
+pool/state contents after, under Triton's interpreter on a CPU (conftest sets TRITON_INTERPRET=1),
+on the device where RADIXFLOW_TEST_DEVICE=cuda."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from radixflow.kernels.attention import naive as attn_ref
+from radixflow.kernels.attention.triton_decode import decode_attention, decode_attention_lse
+from radixflow.kernels.attention.triton_write import write_kv
+from radixflow.kernels.causal_conv1d import naive as conv_ref
+from radixflow.kernels.causal_conv1d.triton_update import causal_conv1d_update_slots
+from radixflow.kernels.dispatch import pick
+from radixflow.kernels.gated_delta_rule import naive as gdr_ref
+from radixflow.kernels.gated_delta_rule.triton_decode import gated_delta_rule_decode_slots
+
+DEV = torch.device(os.environ.get("RADIXFLOW_TEST_DEVICE", "cpu"))
+
+
+def _table(lens: list[int], num_pages: int, page_size: int, gen: torch.Generator) -> torch.Tensor:
+    """Slot tables as the executor builds them: each sequence's pages scattered over the pool,
+    expanded to token slots, padded with -1 past its length."""
+    pages = torch.randperm(num_pages, generator=gen)
+    table = torch.full((len(lens), max(lens)), -1, dtype=torch.int64)
+    used = 0
+    for i, n in enumerate(lens):
+        k = -(-n // page_size)
+        own = pages[used:used + k]
+        used += k
+        table[i, :n] = (own[:, None] * page_size + torch.arange(page_size)).flatten()[:n]
+    return table.to(DEV)
+
+
+@pytest.mark.parametrize("lens,hq,hkv,d,page_size", [
+    ([1, 63, 500], 4, 2, 64, 16),      # lengths 1 / 63 / 500 in one batch
+    ([37, 5], 6, 2, 24, 3),            # G = 3, a head dim and a page size that divide nothing evenly
+    ([130], 2, 2, 100, 7),             # no GQA, D = 100
+    ([1], 8, 1, 16, 1),                # one key, all heads on one kv head
+])
+def test_decode_attention_matches_reference(lens, hq, hkv, d, page_size):
+    gen = torch.Generator().manual_seed(len(lens) * 100 + d)
+    num_pages = sum(-(-n // page_size) for n in lens) + 5
+    S = num_pages * page_size
+    k_cache = torch.randn(S, hkv, d, generator=gen).to(DEV)
+    v_cache = torch.randn(S, hkv, d, generator=gen).to(DEV)
+    q = torch.randn(len(lens), hq, d, generator=gen).to(DEV)
+    table, seq_lens = _table(lens, num_pages, page_size, gen), torch.tensor(lens, device=DEV)
+    want = attn_ref.decode_attention(q, k_cache, v_cache, table, seq_lens, d ** -0.5)
+    got, lse = decode_attention_lse(q, k_cache, v_cache, table, seq_lens, d ** -0.5)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    # the lse is what a cascade merges with: check it against the scores themselves
+    for i, n in enumerate(lens):
+        k = k_cache[table[i, :n]].float().repeat_interleave(hq // hkv, dim=1)     # [n, Hq, D]
+        s = torch.einsum("hd,nhd->hn", q[i].float(), k) * d ** -0.5
+        torch.testing.assert_close(lse[i], torch.logsumexp(s, dim=-1), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attention_bf16_pool():
+    gen = torch.Generator().manual_seed(7)
+    lens, hq, hkv, d, ps = [300, 17, 1], 4, 2, 64, 16
+    num_pages = sum(-(-n // ps) for n in lens)
+    k_cache = torch.randn(num_pages * ps, hkv, d, generator=gen).to(DEV, torch.bfloat16)
+    v_cache = torch.randn(num_pages * ps, hkv, d, generator=gen).to(DEV, torch.bfloat16)
+    q = torch.randn(len(lens), hq, d, generator=gen).to(DEV, torch.bfloat16)
+    table, seq_lens = _table(lens, num_pages, ps, gen), torch.tensor(lens, device=DEV)
+    want = attn_ref.decode_attention(q, k_cache, v_cache, table, seq_lens, d ** -0.5)
+    got = decode_attention(q, k_cache, v_cache, table, seq_lens, d ** -0.5)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(3)
+    S, T, H, D = 50, 13, 3, 20
+    k = torch.randn(T, H, 2 * D, generator=gen)[..., :D].to(DEV)       # a strided view, as after a split
+    v = torch.randn(T, H, D, generator=gen).to(DEV)
+    slots = torch.randperm(S, generator=gen)[:T].to(DEV)
+    pools = [torch.zeros(S, H, D, dtype=dtype, device=DEV) for _ in range(4)]
+    attn_ref.write_kv(pools[0], pools[1], slots, k, v)
+    write_kv(pools[2], pools[3], slots, k, v)
+    if dtype == torch.float32 or DEV.type == "cuda":
+        assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+    else:   # the interpreter rounds fp32 -> bf16 toward zero (a GPU to nearest, as torch): one ulp
+        torch.testing.assert_close(pools[2], pools[0], atol=0, rtol=2 ** -7)
+        torch.testing.assert_close(pools[3], pools[1], atol=0, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("n,hk,hv,dk,dv,l2", [(3, 2, 4, 64, 64, True), (5, 1, 3, 24, 100, True), (1, 2, 2, 16, 40, False)])
+def test_gated_delta_rule_decode_matches_reference(n, hk, hv, dk, dv, l2):
+    gen = torch.Generator().manual_seed(n * 10 + dv)
+    P = n + 4
+    q, k = torch.randn(n, hk, dk, generator=gen).to(DEV), torch.randn(n, hk, dk, generator=gen).to(DEV)
+    v = torch.randn(n, hv, dv, generator=gen).to(DEV)
+    g = -torch.rand(n, hv, generator=gen).to(DEV)
+    beta = torch.rand(n, hv, generator=gen).to(DEV)
+    pool = torch.randn(P, hv, dk, dv, generator=gen).to(DEV)
+    slots = torch.randperm(P, generator=gen)[:n].to(DEV)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want = gdr_ref.gated_delta_rule_decode_slots(q, k, v, g, beta, want_pool, slots, use_qk_l2norm=l2)
+    got = gated_delta_rule_decode_slots(q, k, v, g, beta, got_pool, slots, use_qk_l2norm=l2)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_pool, want_pool, atol=1e-5, rtol=1e-5)    # other slots untouched too
+
+
+@pytest.mark.parametrize("n,c,w,silu", [(3, 100, 4, True), (2, 256, 2, True), (4, 33, 4, False)])
+def test_conv_update_matches_reference(n, c, w, silu):
+    gen = torch.Generator().manual_seed(n * c + w)
+    P = n + 3
+    x = torch.randn(n, c, generator=gen).to(DEV)
+    weight = torch.randn(c, w, generator=gen).to(DEV)
+    pool = torch.randn(P, c, w - 1, generator=gen).to(DEV)
+    slots = torch.randperm(P, generator=gen)[:n].to(DEV)
+    act = "silu" if silu else None
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want = conv_ref.causal_conv1d_update_slots(x, want_pool, weight, slots, act)
+    got = causal_conv1d_update_slots(x, got_pool, weight, slots, act)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got_pool, want_pool)
+
+
+def test_dispatch_choice(monkeypatch):
+    monkeypatch.delenv("RADIXFLOW_KERNELS", raising=False)
+    assert pick(torch.device("cpu"), "auto").name == "torch"
+    assert pick(torch.device("cpu"), "triton").name == "triton"        # the interpreter is on (conftest)
+    monkeypatch.setenv("RADIXFLOW_KERNELS", "torch")
+    assert pick(torch.device("cpu"), "triton").name == "torch"          # the environment overrides
+    monkeypatch.setenv("RADIXFLOW_KERNELS", "fast")
+    with pytest.raises(ValueError, match="one of auto, torch, triton"):
+        pick(torch.device("cpu"))
+    monkeypatch.delenv("RADIXFLOW_KERNELS")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="need a CUDA device"):
+        pick(torch.device("cpu"), "triton")
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-hybrid"])
+def test_engine_greedy_tokens_same_with_kernels(models, name):
+    """The executor with the Triton kernels (write_kv, paged decode attention, the DeltaNet and
+    conv decode steps in place) produces the reference path's greedy tokens: sequences of different
+    lengths decoding together, one of them long enough for several split-K programs."""
+    import random
+
+    from radixflow.services.executor.engine import Engine, EngineConfig
+    from radixflow.shared.messages import ExecRequest, SamplingParams
+    reqs = [ExecRequest(rid=rid, input_ids=[random.Random(n).randrange(3, 8000) for _ in range(n)], eos_token_ids=[2],
+                        sampling=SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
+            for rid, n in (("short", 5), ("mid", 70), ("long", 300))]
+    outs = {}
+    for kernels in ("torch", "triton"):
+        e = Engine(EngineConfig(model=models[name], device=str(DEV), page_size=16, max_total_tokens=4096,
+                                kernels=kernels, burst_gap_s=0, overlap=False))
+        assert e.runner.kernels.name == kernels
+        for r in reqs:
+            e.add(r)
+        out: dict[str, list[int]] = {}
+        while e.has_work():
+            for _, o in e.step():
+                out.setdefault(o.rid, []).extend(o.token_ids)
+        st = e.pages.stats()
+        assert st["requests_held"] == 0 and st["kv_pages_private"] == 0
+        outs[kernels] = out
+    assert outs["triton"] == outs["torch"] and all(len(v) == 4 for v in outs["torch"].values())
