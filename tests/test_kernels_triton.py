@@ -8,7 +8,9 @@ import os
 import pytest
 import torch
 
+from radixflow.kernels.attention import cascade as cascade_ref
 from radixflow.kernels.attention import naive as attn_ref
+from radixflow.kernels.attention import triton_extend
 from radixflow.kernels.attention.triton_decode import decode_attention, decode_attention_lse
 from radixflow.kernels.attention.triton_write import write_kv
 from radixflow.kernels.causal_conv1d import naive as conv_ref
@@ -70,6 +72,70 @@ def test_decode_attention_bf16_pool():
     got = decode_attention(q, k_cache, v_cache, table, seq_lens, d ** -0.5)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def _packed(specs: list[tuple[int, int]], num_pages: int, page_size: int, hq: int, hkv: int, d: int, gen,
+            shared: dict[int, int] | None = None):
+    """A packed prefill batch: sequence i has prefix specs[i][0] cached and specs[i][1] new tokens on
+    pages scattered over the pool; shared {i: n}: sequence i's first n slots are sequence 0's."""
+    pages = torch.randperm(num_pages, generator=gen)
+    k_cache = torch.randn(num_pages * page_size, hkv, d, generator=gen).to(DEV)
+    v_cache = torch.randn(num_pages * page_size, hkv, d, generator=gen).to(DEV)
+    seq_slots, bounds, used, row = [], [], 0, 0
+    for p, e in specs:
+        k = -(-(p + e) // page_size)
+        seq_slots.append((pages[used:used + k, None] * page_size + torch.arange(page_size)).flatten()[:p + e].to(DEV))
+        used += k
+        bounds.append((row, row + e))
+        row += e
+    for i, n in (shared or {}).items():
+        seq_slots[i] = torch.cat([seq_slots[0][:n], seq_slots[i][n:]])
+    q = torch.randn(row, hq, d, generator=gen).to(DEV)
+    return q, k_cache, v_cache, bounds, seq_slots, [p for p, _ in specs]
+
+
+@pytest.mark.parametrize("specs,hq,hkv,d,page_size", [
+    ([(0, 1), (0, 63), (0, 500)], 4, 2, 64, 16),          # empty prefixes, lengths 1 / 63 / 500
+    ([(40, 63), (0, 5), (100, 1), (7, 30)], 6, 2, 24, 3),  # cached prefixes; G = 3, D = 24, pages of 3
+    ([(130, 17)], 2, 2, 100, 7),
+])
+def test_extend_attention_matches_reference(specs, hq, hkv, d, page_size):
+    gen = torch.Generator().manual_seed(sum(e for _, e in specs) + d)
+    num_pages = sum(-(-(p + e) // page_size) for p, e in specs) + 3
+    q, kc, vc, bounds, seq_slots, prefix_lens = _packed(specs, num_pages, page_size, hq, hkv, d, gen)
+    want = attn_ref.extend_attention(q, kc, vc, bounds, seq_slots, prefix_lens, d ** -0.5)
+    got = triton_extend.extend_attention(q, kc, vc, bounds, seq_slots, prefix_lens, d ** -0.5)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_cascade_prefill_matches_reference():
+    """A prefix shared by part of the batch (sequences 0, 2, 3 share 48 tokens; 1 and 4 do not)."""
+    gen = torch.Generator().manual_seed(5)
+    specs = [(60, 20), (0, 33), (50, 1), (90, 63), (10, 4)]
+    q, kc, vc, bounds, seq_slots, prefix_lens = _packed(specs, 200, 16, 4, 2, 40, gen, shared={2: 48, 3: 48})
+    groups = [cascade_ref.SharedPrefix(seqs=[0, 2, 3], slots=seq_slots[0][:48])]
+    want = cascade_ref.cascade_prefill(q, kc, vc, bounds, seq_slots, prefix_lens, groups, 40 ** -0.5)
+    got = triton_extend.cascade_prefill(q, kc, vc, bounds, seq_slots, prefix_lens, groups, 40 ** -0.5)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    plain = attn_ref.extend_attention(q, kc, vc, bounds, seq_slots, prefix_lens, 40 ** -0.5)
+    torch.testing.assert_close(got, plain, atol=2e-5, rtol=1e-5)      # and the cascade is exact
+
+
+def test_cascade_decode_matches_reference():
+    """Two groups and a sequence alone; own parts of lengths 1 to 130."""
+    gen = torch.Generator().manual_seed(9)
+    hq, hkv, d, S = 8, 2, 32, 3000
+    k_cache, v_cache = torch.randn(S, hkv, d, generator=gen).to(DEV), torch.randn(S, hkv, d, generator=gen).to(DEV)
+    perm = torch.randperm(S, generator=gen).to(DEV)
+    own_lens = [1, 17, 130, 5, 64, 2]
+    own = [perm[200 + 200 * i: 200 + 200 * i + n] for i, n in enumerate(own_lens)]
+    groups = [cascade_ref.SharedPrefix(seqs=[0, 2, 3], slots=perm[:70]),
+              cascade_ref.SharedPrefix(seqs=[1, 5], slots=perm[70:71])]
+    q = torch.randn(len(own_lens), hq, d, generator=gen).to(DEV)
+    table, lens = torch.nn.utils.rnn.pad_sequence(own, batch_first=True), torch.tensor(own_lens, device=DEV)
+    want = cascade_ref.cascade_decode(q, k_cache, v_cache, table, lens, groups, d ** -0.5)
+    got = triton_extend.cascade_decode(q, k_cache, v_cache, table, lens, groups, d ** -0.5)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -139,28 +205,43 @@ def test_dispatch_choice(monkeypatch):
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-hybrid"])
 def test_engine_greedy_tokens_same_with_kernels(models, name):
-    """The executor with the Triton kernels (write_kv, paged decode attention, the DeltaNet and
-    conv decode steps in place) produces the reference path's greedy tokens: sequences of different
-    lengths decoding together, one of them long enough for several split-K programs."""
+    """The executor with the Triton kernels (write_kv, extend, decode and cascade attention, the
+    DeltaNet and conv decode steps in place) produces the reference path's greedy tokens: sequences
+    of different lengths decoding together, one long enough for several split-K programs, two
+    sharing a preamble, two more prefilling over it once it is cached (cascade decode and prefill)."""
     import random
 
     from radixflow.services.executor.engine import Engine, EngineConfig
     from radixflow.shared.messages import ExecRequest, SamplingParams
-    reqs = [ExecRequest(rid=rid, input_ids=[random.Random(n).randrange(3, 8000) for _ in range(n)], eos_token_ids=[2],
-                        sampling=SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
-            for rid, n in (("short", 5), ("mid", 70), ("long", 300))]
+    def ids(seed: int, n: int) -> list[int]:
+        return [random.Random(seed).randrange(3, 8000) for _ in range(n)]
+    preamble = ids(1, 64)
+
+    def req(rid: str, p: list[int]) -> ExecRequest:
+        return ExecRequest(rid=rid, input_ids=p, eos_token_ids=[2],
+                           sampling=SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
+    first = [req("short", ids(5, 5)), req("mid", ids(70, 70)), req("long", ids(300, 300)),
+             req("agent-a", preamble + ids(2, 9)), req("agent-b", preamble + ids(3, 20))]
+    # after the first step the preamble is cached: these two prefill over it together (a cascade prefill)
+    later = [req("agent-c", preamble + ids(4, 12)), req("agent-d", preamble + ids(6, 40))]
     outs = {}
     for kernels in ("torch", "triton"):
         e = Engine(EngineConfig(model=models[name], device=str(DEV), page_size=16, max_total_tokens=4096,
-                                kernels=kernels, burst_gap_s=0, overlap=False))
+                                kernels=kernels, burst_gap_s=0, overlap=False, warmup_tokens=32))
         assert e.runner.kernels.name == kernels
-        for r in reqs:
+        for r in first:
             e.add(r)
         out: dict[str, list[int]] = {}
+        step = 0
         while e.has_work():
+            if step == 1:
+                for r in later:
+                    e.add(r)
             for _, o in e.step():
                 out.setdefault(o.rid, []).extend(o.token_ids)
+            step += 1
         st = e.pages.stats()
         assert st["requests_held"] == 0 and st["kv_pages_private"] == 0
         outs[kernels] = out
-    assert outs["triton"] == outs["torch"] and all(len(v) == 4 for v in outs["torch"].values())
+    assert outs["triton"] == outs["torch"] and len(outs["torch"]) == 7
+    assert all(len(v) == 4 for v in outs["torch"].values())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["write_kv", "prefill_attention", "decode_attention"]
+__all__ = ["write_kv", "prefill_attention", "extend_attention", "decode_attention"]
 
 
 def write_kv(
@@ -80,6 +80,24 @@ def prefill_attention(
         qf, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=_gqa(Hq, k.shape[1])
     )  # [1, Hq, E, D]
     return o[0].transpose(0, 1).to(q.dtype)
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    bounds: list[tuple[int, int]],
+    seq_slots: list[torch.Tensor],
+    prefix_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """prefill_attention for a packed batch of sequences: sequence i's new tokens are the rows
+    bounds[i] = (start, end) of q [T, Hq, D], its keys seq_slots[i] (prefix_lens[i] cached, then
+    the new ones, already written). Returns o [T, Hq, D] in q's dtype."""
+    o = torch.empty_like(q)
+    for (s, e), slots, p in zip(bounds, seq_slots, prefix_lens):
+        o[s:e] = prefill_attention(q[s:e], k_cache, v_cache, slots, p, scale)
+    return o
 
 
 def decode_attention(

@@ -108,9 +108,10 @@ def _splits(lmax: int, batch_heads: int) -> int:
 
 
 def decode_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_table: torch.Tensor,
-                         seq_lens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """decode_attention's output and its log-sum-exp [N, Hq] fp32 (natural log; what a cascade
-    merges a shared prefix's part with)."""
+                         seq_lens: torch.Tensor, scale: float,
+                         out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """decode_attention's output (in out_dtype, default q's) and its log-sum-exp [N, Hq] fp32
+    (natural log; what a cascade merges a shared prefix's part with)."""
     N, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     if Hq % Hkv != 0:
@@ -138,7 +139,7 @@ def decode_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         table.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         G=G, D=D, CHUNK=chunk, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
         DOT_FP32=dot_fp32, PRECISION="ieee" if dot_fp32 else "tf32")
-    o = torch.empty_like(q)
+    o = torch.empty_like(q, dtype=out_dtype or q.dtype)
     lse = torch.empty(N, Hq, dtype=torch.float32, device=q.device)
     _decode_merge[(N, Hq)](
         o_part, lse_part, o, lse, o_part.stride(0), o_part.stride(1), o_part.stride(2),

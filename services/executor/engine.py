@@ -69,6 +69,9 @@ class EngineConfig:
     # step, so the round trip is off the compute thread's critical path. An idle engine still
     # waits for its exchange (there is nothing to overlap, and a lone request should start now)
     overlap: bool = True
+    # the prefill of this many tokens (and a few decode steps) on scratch pages at start, so that the
+    # first request does not pay first-call costs; 0: none
+    warmup_tokens: int = 2048
 
 
 class Engine:
@@ -87,7 +90,8 @@ class Engine:
                                   num_pages=self.num_pages, num_state_slots=num_slots, kernels=cfg.kernels)
         self.spec = self.runner.spec
         self.cache = not cfg.disable_radix_cache
-        self.runner.warmup()
+        if cfg.warmup_tokens > 0:
+            self.runner.warmup(cfg.warmup_tokens)
         self.drafter = Drafter(cfg.model, cfg.jump_forward) if cfg.jump_forward > 0 else None
         self.pages = pages or LocalPages()
         self._register = RadixRegister(pool=cfg.pool, num_pages=self.num_pages, page_size=cfg.page_size,

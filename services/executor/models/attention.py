@@ -4,8 +4,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixflow.kernels.attention import cascade_decode, cascade_prefill, prefill_attention
-
 from ..forward_batch import ForwardBatch
 from .layers import RMSNorm, Rotary
 from .spec import ModelSpec
@@ -50,15 +48,12 @@ class Attention(nn.Module):
         return self.o(o)
 
     def _attend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        ops = batch.kernels
         if batch.groups and batch.is_decode:
-            o = cascade_decode(q, k_cache, v_cache, batch.own_table, batch.own_lens, batch.groups, self.scale)
-        elif batch.groups:
-            o = cascade_prefill(q, k_cache, v_cache, batch.bounds(), batch.seq_slots, batch.prefix_lens,
-                                batch.groups, self.scale)
-        elif batch.is_decode:
-            o = batch.kernels.decode_attention(q, k_cache, v_cache, batch.slot_table, batch.seq_lens, self.scale)
-        else:
-            o = torch.empty_like(q)
-            for i, (s, e) in enumerate(batch.bounds()):
-                o[s:e] = prefill_attention(q[s:e], k_cache, v_cache, batch.seq_slots[i], batch.prefix_lens[i], self.scale)
-        return o
+            return ops.cascade_decode(q, k_cache, v_cache, batch.own_table, batch.own_lens, batch.groups, self.scale)
+        if batch.groups:
+            return ops.cascade_prefill(q, k_cache, v_cache, batch.bounds(), batch.seq_slots, batch.prefix_lens,
+                                       batch.groups, self.scale)
+        if batch.is_decode:
+            return ops.decode_attention(q, k_cache, v_cache, batch.slot_table, batch.seq_lens, self.scale)
+        return ops.extend_attention(q, k_cache, v_cache, batch.bounds(), batch.seq_slots, batch.prefix_lens, self.scale)
