@@ -188,16 +188,16 @@ def test_padded_prefill_of_similar_sequences_equals_one_by_one(models, monkeypat
     padding writes nothing into the state): the greedy tokens are those of one call per sequence."""
     import random
 
+    from radixflow.kernels import packing
+    from radixflow.kernels.gated_delta_rule import packed
     from radixflow.services.executor.engine import Engine, EngineConfig
-    from radixflow.services.executor.models import deltanet
     from radixflow.shared.messages import ExecRequest, SamplingParams
     calls = []
-    padded = deltanet.GatedDeltaNet._rule_padded
-    monkeypatch.setattr(deltanet.GatedDeltaNet, "_rule_padded",
-                        staticmethod(lambda *a, **k: calls.append(1) or padded(*a, **k)))
+    padded = packed._padded
+    monkeypatch.setattr(packed, "_padded", lambda *a, **k: calls.append(1) or padded(*a, **k))
 
     def run(waste: float) -> dict[str, list[int]]:
-        monkeypatch.setattr(deltanet, "PAD_WASTE", waste)
+        monkeypatch.setattr(packing, "PAD_WASTE", waste)
         e = Engine(EngineConfig(model=models["tiny-hybrid"], max_running_requests=16, burst_gap_s=0,
                                 max_total_tokens=16384))
         rng = random.Random(0)

@@ -14,10 +14,14 @@ from radixflow.kernels.attention import triton_extend
 from radixflow.kernels.attention.triton_decode import decode_attention, decode_attention_lse
 from radixflow.kernels.attention.triton_write import write_kv
 from radixflow.kernels.causal_conv1d import naive as conv_ref
+from radixflow.kernels.causal_conv1d.packed import causal_conv1d_prefill_slots as conv_prefill_ref
+from radixflow.kernels.causal_conv1d.triton_prefill import causal_conv1d_prefill_slots
 from radixflow.kernels.causal_conv1d.triton_update import causal_conv1d_update_slots
 from radixflow.kernels.dispatch import pick
 from radixflow.kernels.gated_delta_rule import naive as gdr_ref
+from radixflow.kernels.gated_delta_rule.packed import gated_delta_rule_prefill_slots as gdr_prefill_ref
 from radixflow.kernels.gated_delta_rule.triton_decode import gated_delta_rule_decode_slots
+from radixflow.kernels.gated_delta_rule.triton_prefill import gated_delta_rule_prefill_slots
 
 DEV = torch.device(os.environ.get("RADIXFLOW_TEST_DEVICE", "cpu"))
 
@@ -188,6 +192,62 @@ def test_conv_update_matches_reference(n, c, w, silu):
     assert torch.equal(got_pool, want_pool)
 
 
+# prefill batches: (length, taps as token counts); lengths 1 / 63 / 200, a tap at 1 and one just
+# before the end, sequences of unequal and of similar lengths (the reference's padded call)
+PREFILL = [
+    [(1, []), (63, [16, 62]), (200, [1, 64, 128])],
+    [(40, [5]), (44, []), (41, [40])],
+]
+
+
+def _prefill_layout(seqs, P_extra: int, gen):
+    bounds, row = [], 0
+    for n, _ in seqs:
+        bounds.append((row, row + n))
+        row += n
+    perm = torch.randperm(len(seqs) + sum(len(t) for _, t in seqs) + P_extra, generator=gen).tolist()
+    slots = perm[:len(seqs)]
+    rest = iter(perm[len(seqs):])
+    taps = [[(n, next(rest)) for n in t] for _, t in seqs]
+    return bounds, row, slots, taps
+
+
+@pytest.mark.parametrize("seqs", PREFILL)
+def test_gated_delta_rule_prefill_matches_reference(seqs):
+    gen = torch.Generator().manual_seed(len(seqs) * 7 + seqs[0][0])
+    hk, hv, dk, dv = 1, 2, 24, 40
+    bounds, T, slots, taps = _prefill_layout(seqs, 2, gen)
+    P = len(seqs) + sum(len(t) for _, t in seqs) + 2
+    q, k = torch.randn(T, hk, dk, generator=gen).to(DEV), torch.randn(T, hk, dk, generator=gen).to(DEV)
+    v = torch.randn(T, hv, dv, generator=gen).to(DEV)
+    g = (-torch.rand(T, hv, generator=gen) * 0.3).to(DEV)
+    beta = torch.rand(T, hv, generator=gen).to(DEV)
+    pool = torch.randn(P, hv, dk, dv, generator=gen).to(DEV) * 0.1
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want, got = torch.zeros(T, hv, dv, device=DEV), torch.zeros(T, hv, dv, device=DEV)
+    gdr_prefill_ref(q, k, v, g, beta, want, want_pool, bounds, slots, taps)
+    gated_delta_rule_prefill_slots(q, k, v, g, beta, got, got_pool, bounds, slots, taps)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_pool, want_pool, atol=1e-4, rtol=1e-4)   # final states, taps, the rest
+
+
+@pytest.mark.parametrize("seqs", PREFILL + [[(2, [1]), (3, [])]])        # shorter than the window too
+def test_conv_prefill_matches_reference(seqs):
+    gen = torch.Generator().manual_seed(len(seqs) * 3 + seqs[0][0])
+    C, W = 100, 4
+    bounds, T, slots, taps = _prefill_layout(seqs, 1, gen)
+    P = len(seqs) + sum(len(t) for _, t in seqs) + 1
+    x = torch.randn(T, C, generator=gen).to(DEV)
+    weight = torch.randn(C, W, generator=gen).to(DEV)
+    pool = torch.randn(P, C, W - 1, generator=gen).to(DEV)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want, got = torch.zeros(T, C, device=DEV), torch.zeros(T, C, device=DEV)
+    conv_prefill_ref(x, want, want_pool, weight, bounds, slots, taps)
+    causal_conv1d_prefill_slots(x, got, got_pool, weight, bounds, slots, taps)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got_pool, want_pool)
+
+
 def test_dispatch_choice(monkeypatch):
     monkeypatch.delenv("RADIXFLOW_KERNELS", raising=False)
     assert pick(torch.device("cpu"), "auto").name == "torch"
@@ -215,19 +275,23 @@ def test_engine_greedy_tokens_same_with_kernels(models, name):
     from radixflow.shared.messages import ExecRequest, SamplingParams
     def ids(seed: int, n: int) -> list[int]:
         return [random.Random(seed).randrange(3, 8000) for _ in range(n)]
-    preamble = ids(1, 64)
+    # the hybrid model's prefill runs token by token in the interpreter: shorter prompts (the
+    # dense one's long prompt is what spans several split-K programs)
+    dense = name == "tiny-dense"
+    preamble = ids(1, 64 if dense else 16)
 
     def req(rid: str, p: list[int]) -> ExecRequest:
         return ExecRequest(rid=rid, input_ids=p, eos_token_ids=[2],
                            sampling=SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
-    first = [req("short", ids(5, 5)), req("mid", ids(70, 70)), req("long", ids(300, 300)),
+    first = [req("short", ids(5, 5)), req("mid", ids(70, 40 if dense else 20)),
+             req("long", ids(300, 300 if dense else 40)),
              req("agent-a", preamble + ids(2, 9)), req("agent-b", preamble + ids(3, 20))]
     # after the first step the preamble is cached: these two prefill over it together (a cascade prefill)
-    later = [req("agent-c", preamble + ids(4, 12)), req("agent-d", preamble + ids(6, 40))]
+    later = [req("agent-c", preamble + ids(4, 12)), req("agent-d", preamble + ids(6, 40 if dense else 16))]
     outs = {}
     for kernels in ("torch", "triton"):
         e = Engine(EngineConfig(model=models[name], device=str(DEV), page_size=16, max_total_tokens=4096,
-                                kernels=kernels, burst_gap_s=0, overlap=False, warmup_tokens=32))
+                                kernels=kernels, burst_gap_s=0, overlap=False, warmup_tokens=8))
         assert e.runner.kernels.name == kernels
         for r in first:
             e.add(r)
