@@ -395,6 +395,22 @@ def test_bitmask_apply_equals_xgrammars_kernel(V):
         assert torch.equal(got, want), rows
 
 
+def test_device_bitmask_path_masks_the_rows_asked():
+    """The accelerator path (bitmask rows sent to the device, xgrammar's kernel there) masks logits
+    row rows[j] with bitmask row mask_rows[j] and leaves the other rows alone, as the CPU path
+    does. On a CPU it runs with xgrammar's torch backend; on CUDA its kernel is xgrammar's own."""
+    from radixflow.services.executor.constrain import apply_bitmask, apply_bitmask_device
+    V = 1000
+    g = torch.Generator().manual_seed(1)
+    bm = torch.randint(-2**31, 2**31 - 1, (8, (V + 31) // 32), dtype=torch.int32, generator=g)
+    logits = torch.randn(5, V, generator=g)
+    for rows, mask_rows in (([0, 1, 2, 3, 4], None), ([1, 4], [6, 2]), ([3], [0])):
+        want, got = logits.clone(), logits.clone()
+        apply_bitmask(want, bm, rows, mask_rows)
+        apply_bitmask_device(got, bm, rows, mask_rows, backend="torch_native")
+        assert torch.equal(got, want), rows
+
+
 async def test_schema_past_llguidances_node_limit_is_served_normalized(compiler):
     """llguidance expands a schema into at most 50,000 nodes ("schema too large"); a CI config's
     tasks (an anyOf of hundreds of tasks, each naming itself by a pattern that the common `task`

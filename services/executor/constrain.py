@@ -46,10 +46,10 @@ class Constrainer:
     def apply(self, logits: torch.Tensor, rows: list[int], mask_rows: list[int] | None = None) -> None:
         """-inf, in place, where the filled bitmask rows `rows` (or, for logits row rows[j], bitmask
         row mask_rows[j]) forbid a token."""
-        cpu = logits if logits.device.type == "cpu" else logits.cpu()
-        apply_bitmask(cpu, self.bitmask, rows, mask_rows)
-        if cpu is not logits:
-            logits.copy_(cpu)
+        if logits.device.type == "cpu":
+            apply_bitmask(logits, self.bitmask, rows, mask_rows)
+        else:
+            apply_bitmask_device(logits, self.bitmask, rows, mask_rows)
 
 
 _BITS = torch.arange(32, dtype=torch.int32)
@@ -80,6 +80,21 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], 
     blocks[r, w] = torch.where(allowed, kept, float("-inf"))
     if not every:
         logits[sel] = x
+
+
+def apply_bitmask_device(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
+                         mask_rows: list[int] | None = None, backend: str = "auto") -> None:
+    """apply_bitmask for logits on an accelerator: the filled bitmask rows (on the CPU, where the
+    matchers write them) travel to the device, ceil(V / 32) words a row, and xgrammar's kernel
+    masks the logits in place there; the logits, 32x larger, never leave the device.
+    `backend`: xgrammar's (auto: its CUDA kernel on CUDA)."""
+    import xgrammar as xgr
+    bm = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)     # -1: every token allowed
+    bm[torch.tensor(rows, dtype=torch.int64)] = bitmask[torch.tensor(mask_rows or rows, dtype=torch.int64)]
+    if logits.device.type == "cuda":
+        bm = bm.pin_memory()
+    xgr.apply_token_bitmask_inplace(logits, bm.to(logits.device, non_blocking=True), vocab_size=logits.shape[-1],
+                                    indices=rows, backend=backend)
 
 
 def allowed_tokens(bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
