@@ -11,12 +11,7 @@ import aiohttp
 
 from radixflow.services.executor.memory import estimate
 from radixflow.services.executor.models.spec import ModelSpec
-
-QWEN35_27B = {"model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120, "intermediate_size": 17408,
-              "num_hidden_layers": 64, "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
-              "full_attention_interval": 4, "linear_num_key_heads": 16, "linear_num_value_heads": 48,
-              "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-              "torch_dtype": "bfloat16", "max_position_embeddings": 262144}
+from radixflow.services.modelgen.presets import QWEN35_27B
 
 
 def test_reference_numbers():

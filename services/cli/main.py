@@ -173,7 +173,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     import json
     from radixflow.services.bench.common import resolve_model
     model = resolve_model(a.model or ("tiny-dense" if a.which in ("shared-prefix", "scaling") else "tiny-hybrid")) \
-        if a.which not in ("program", "sampler") else None
+        if a.which not in ("program", "sampler", "kernels") else None
     if a.which == "decode":
         from radixflow.services.bench.decode import run_decode
         out = run_decode(model, [int(b) for b in a.batch.split(",")], a.prompt_len, a.new_tokens)
@@ -193,6 +193,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from radixflow.services.bench.program import run_program
         models = [resolve_model(m) for m in (a.model.split(",") if a.model else ["tiny-dense", "tiny-hybrid"])]
         out = run_program(models, a.preamble, a.suffix, a.requests, a.max_tokens or 64)
+    elif a.which == "kernels":
+        from radixflow.services.bench.kernels import run_kernels
+        out = run_kernels(interpret=a.interpret)
     elif a.which == "sampler":
         from radixflow.services.bench.sampler import run_sampler
         out = run_sampler(batch=a.rows, vocab=a.vocab, repeats=a.repeats)
@@ -259,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_memory)
     p = sub.add_parser("bench", help="benchmarks, each beside its baseline in one run")
-    p.add_argument("which", help="decode | latency | shared-prefix | scaling | structured | mixed | program | sampler | schemas | serve")
+    p.add_argument("which", help="decode | latency | shared-prefix | scaling | structured | mixed | program | sampler | schemas | serve | kernels")
     p.add_argument("dir", nargs="?", help="schemas: a directory of *.json JSON Schemas")
     p.add_argument("--model", default=None, help="a preset (tiny-dense, tiny-hybrid) or a model directory "
                                                  "(default: tiny-dense for shared-prefix, both for program "
@@ -300,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--against", default=None,
                    help="serve, shared-prefix: also run the workload on this OpenAI-compatible server URL")
     p.add_argument("--plot", default=None, help="serve: write throughput and TTFT curves to this PNG")
+    p.add_argument("--interpret", action="store_true",
+                   help="kernels: run on the CPU in Triton's interpreter at toy sizes (checks, times nothing)")
     p.set_defaults(fn=cmd_bench)
     a = ap.parse_args(argv)
     return a.fn(a)

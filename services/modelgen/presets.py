@@ -151,3 +151,12 @@ def hf_config(preset: str | Preset) -> dict[str, Any]:
         linear_conv_kernel_dim=p.linear_conv_kernel_dim,
     )
     return cfg
+
+
+# Not a preset (no weights are made for it): the shapes of a Qwen3.5-27B-class hybrid, as its
+# config.json gives them, for the memory calculator's reference figures and `bench kernels`
+QWEN35_27B = {"model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120, "intermediate_size": 17408,
+              "num_hidden_layers": 64, "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+              "full_attention_interval": 4, "linear_num_key_heads": 16, "linear_num_value_heads": 48,
+              "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+              "torch_dtype": "bfloat16", "max_position_embeddings": 262144}
