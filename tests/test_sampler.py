@@ -116,6 +116,29 @@ def test_filter_batch_equals_the_per_row_filter(top_k, top_p, min_p, all_k):
         assert torch.isinf(got).any() or not (top_k or top_p or min_p)
 
 
+@pytest.mark.parametrize("scale, sorts", [(8.0, False), (0.05, True)])
+def test_top_p_takes_its_nucleus_from_a_topk_window_when_it_fits(monkeypatch, scale, sorts):
+    """Top-p rows whose nucleus lies within the NUCLEUS_CANDIDATES most likely tokens need no sort
+    of the vocabulary (peaked rows); a flat row's wider nucleus falls back to the sort. Either way
+    the result is the per-row filter's."""
+    monkeypatch.setattr(sampler, "NUCLEUS_CANDIDATES", 64)
+    sorted_ = []
+    real_sort = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda self, *a, **k: sorted_.append(1) or real_sort(self, *a, **k))
+    rng, V, n = random.Random(3), 1000, 16
+    x = torch.randn(n, V, generator=torch.Generator().manual_seed(2)) * scale
+    ks = [rng.choice([0, 5, 40]) for _ in range(n)]
+    ps = [rng.choice([0.5, 0.9, 0.99]) for _ in range(n)]
+    ms = [rng.choice([0.0, 0.05]) for _ in range(n)]
+    got = sampler.filter_batch(x.clone(), ks, ps, ms)
+    assert bool(sorted_) == sorts
+    monkeypatch.undo()
+    for i in range(n):
+        want = sampler.filter_logits(x[i], SamplingParams(temperature=1.0, top_k=ks[i], top_p=ps[i], min_p=ms[i]))
+        assert torch.equal(torch.isinf(got[i]), torch.isinf(want)), (i, ks[i], ps[i], ms[i])
+        torch.testing.assert_close(got[i][~torch.isinf(want)], want[~torch.isinf(want)])
+
+
 def test_draws_follow_the_filtered_distribution():
     """The exponential race samples softmax(logits / T) over what the filters keep."""
     n, V = 20000, 5

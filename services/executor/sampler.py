@@ -193,6 +193,9 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.
     return probs.div_(noise.log_().neg_()).argmax(dim=-1)
 
 
+NUCLEUS_CANDIDATES = 1024    # filter_batch: top-p tries the nucleus within this many most likely tokens
+
+
 def filter_batch(x: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
     """x [N, V] temperature-scaled logits and each row's top_k (<= 0 or >= V: off), top_p, min_p ->
     logits with filtered-out tokens at -inf; row by row the same as `filter_logits`. Only the
@@ -208,14 +211,31 @@ def filter_batch(x: torch.Tensor, top_k: list[int], top_p: list[float], min_p: l
         mp = torch.tensor(min_p, device=dev)[:, None]
         return x.masked_fill(probs < mp * probs.amax(dim=-1, keepdim=True), ninf)
     # the candidates, most likely first. When every row has a top-k, all of them lie within the
-    # largest k: a topk of that many replaces the sort of the whole vocabulary
+    # largest k: a topk of that many replaces the sort of the whole vocabulary. So does a nucleus
+    # (a top-p row's kept tokens are a prefix of its sorted order) that the top NUCLEUS_CANDIDATES
+    # tokens cover: tried first, the full sort only where some row's nucleus is wider
     kmax = max(top_k)
-    sv, si = x.topk(kmax, dim=-1) if kmax < V else x.sort(dim=-1, descending=True)     # [N, K]
+    full = None             # rows without a top-k: softmax over the whole row, not the candidates
+    if kmax == V and use_p and all(p < 1.0 or k <= NUCLEUS_CANDIDATES for p, k in zip(top_p, top_k)) \
+            and V > NUCLEUS_CANDIDATES:
+        sv, si = x.topk(NUCLEUS_CANDIDATES, dim=-1)
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)
+        mass = torch.exp(sv - lse).sum(-1)
+        tp = torch.tensor(top_p, device=dev)
+        if bool(((mass >= tp) | (tp >= 1.0)).all()):
+            full = lse
+        else:
+            sv, si = x.sort(dim=-1, descending=True)
+    else:
+        sv, si = x.topk(kmax, dim=-1) if kmax < V else x.sort(dim=-1, descending=True)     # [N, K]
     if use_k:
-        kth = sv.gather(1, torch.tensor(top_k, device=dev)[:, None] - 1)
+        kth = sv.gather(1, torch.tensor([min(k, sv.shape[1]) for k in top_k], device=dev)[:, None] - 1)
         sv = sv.masked_fill(sv < kth, ninf)            # ties with the k-th stay, as in filter_logits
     if use_p or use_min:
         sp = torch.softmax(sv, dim=-1)
+        if full is not None:    # rows without a top-k: probabilities over the whole row
+            no_k = torch.tensor([k >= V for k in top_k], device=dev)[:, None]
+            sp = torch.where(no_k, torch.exp(sv - full), sp)
         drop = torch.zeros_like(sv, dtype=torch.bool)
         if use_min:
             drop |= sp < torch.tensor(min_p, device=dev)[:, None] * sp[:, :1]
