@@ -121,14 +121,17 @@ def attend_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     dot_fp32 = q.dtype == torch.float32 or k_cache.dtype == torch.float32 or INTERPRETING   # see triton_decode
     dev = q.device
     table = table.to(dev).contiguous()
+    BLOCK_G, BLOCK_D = triton.next_power_of_2(G), max(16, triton.next_power_of_2(D))
+    # a program's accumulator is BLOCK_M * BLOCK_G x BLOCK_D fp32 (128 x 256 for a 27B-class
+    # layer): more warps to hold it without spilling
     ints = [x.to(device=dev, dtype=torch.int32).contiguous() for x in (cu_q, key_lens, q_pos0)]
     _attend_paged[(N, triton.cdiv(max_q, BLOCK_M), Hkv)](
         q, k_cache, v_cache, ints[0], table, ints[1], ints[2], o, lse, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         table.stride(0), o.stride(0), o.stride(1), lse.stride(0),
-        G=G, D=D, CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_G=triton.next_power_of_2(G),
-        BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N,
-        DOT_FP32=dot_fp32, PRECISION="ieee" if dot_fp32 else "tf32")
+        G=G, D=D, CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+        DOT_FP32=dot_fp32, PRECISION="ieee" if dot_fp32 else "tf32",
+        num_warps=8 if BLOCK_M * BLOCK_G * BLOCK_D >= 32768 else 4)
     return o, lse
 
 
