@@ -32,20 +32,22 @@ class Kernels:
     cascade_prefill: Callable                  # attention.cascade.cascade_prefill
     gated_delta_rule_decode_slots: Callable    # gated_delta_rule.naive.gated_delta_rule_decode_slots
     gated_delta_rule_prefill_slots: Callable   # gated_delta_rule.packed.gated_delta_rule_prefill_slots
+    gated_delta_rule_decode_depths_slots: Callable   # gated_delta_rule.naive (jump-forward draft rows)
     causal_conv1d_update_slots: Callable       # causal_conv1d.naive.causal_conv1d_update_slots
     causal_conv1d_prefill_slots: Callable      # causal_conv1d.packed.causal_conv1d_prefill_slots
+    causal_conv1d_update_depths_slots: Callable  # causal_conv1d.naive (jump-forward draft rows)
 
 
 def reference() -> Kernels:
     from .attention.cascade import cascade_decode, cascade_prefill
     from .attention.naive import decode_attention, extend_attention, write_kv
-    from .causal_conv1d.naive import causal_conv1d_update_slots
+    from .causal_conv1d.naive import causal_conv1d_update_depths_slots, causal_conv1d_update_slots
     from .causal_conv1d.packed import causal_conv1d_prefill_slots
-    from .gated_delta_rule.naive import gated_delta_rule_decode_slots
+    from .gated_delta_rule.naive import gated_delta_rule_decode_depths_slots, gated_delta_rule_decode_slots
     from .gated_delta_rule.packed import gated_delta_rule_prefill_slots
     return Kernels("torch", write_kv, decode_attention, extend_attention, cascade_decode, cascade_prefill,
-                   gated_delta_rule_decode_slots, gated_delta_rule_prefill_slots, causal_conv1d_update_slots,
-                   causal_conv1d_prefill_slots)
+                   gated_delta_rule_decode_slots, gated_delta_rule_prefill_slots, gated_delta_rule_decode_depths_slots,
+                   causal_conv1d_update_slots, causal_conv1d_prefill_slots, causal_conv1d_update_depths_slots)
 
 
 def triton_kernels() -> Kernels:
@@ -53,12 +55,12 @@ def triton_kernels() -> Kernels:
     from .attention.triton_extend import cascade_decode, cascade_prefill, extend_attention
     from .attention.triton_write import write_kv
     from .causal_conv1d.triton_prefill import causal_conv1d_prefill_slots
-    from .causal_conv1d.triton_update import causal_conv1d_update_slots
-    from .gated_delta_rule.triton_decode import gated_delta_rule_decode_slots
+    from .causal_conv1d.triton_update import causal_conv1d_update_depths_slots, causal_conv1d_update_slots
+    from .gated_delta_rule.triton_decode import gated_delta_rule_decode_depths_slots, gated_delta_rule_decode_slots
     from .gated_delta_rule.triton_prefill import gated_delta_rule_prefill_slots
     return Kernels("triton", write_kv, decode_attention, extend_attention, cascade_decode, cascade_prefill,
-                   gated_delta_rule_decode_slots, gated_delta_rule_prefill_slots, causal_conv1d_update_slots,
-                   causal_conv1d_prefill_slots)
+                   gated_delta_rule_decode_slots, gated_delta_rule_prefill_slots, gated_delta_rule_decode_depths_slots,
+                   causal_conv1d_update_slots, causal_conv1d_prefill_slots, causal_conv1d_update_depths_slots)
 
 
 def pick(device: torch.device, choice: str = "auto") -> Kernels:

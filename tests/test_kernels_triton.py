@@ -16,11 +16,12 @@ from radixflow.kernels.attention.triton_write import write_kv
 from radixflow.kernels.causal_conv1d import naive as conv_ref
 from radixflow.kernels.causal_conv1d.packed import causal_conv1d_prefill_slots as conv_prefill_ref
 from radixflow.kernels.causal_conv1d.triton_prefill import causal_conv1d_prefill_slots
-from radixflow.kernels.causal_conv1d.triton_update import causal_conv1d_update_slots
+from radixflow.kernels.causal_conv1d.triton_update import causal_conv1d_update_depths_slots, causal_conv1d_update_slots
 from radixflow.kernels.dispatch import pick
 from radixflow.kernels.gated_delta_rule import naive as gdr_ref
 from radixflow.kernels.gated_delta_rule.packed import gated_delta_rule_prefill_slots as gdr_prefill_ref
-from radixflow.kernels.gated_delta_rule.triton_decode import gated_delta_rule_decode_slots
+from radixflow.kernels.gated_delta_rule.triton_decode import (gated_delta_rule_decode_depths_slots,
+                                                              gated_delta_rule_decode_slots)
 from radixflow.kernels.gated_delta_rule.triton_prefill import gated_delta_rule_prefill_slots
 
 DEV = torch.device(os.environ.get("RADIXFLOW_TEST_DEVICE", "cpu"))
@@ -192,6 +193,39 @@ def test_conv_update_matches_reference(n, c, w, silu):
     assert torch.equal(got_pool, want_pool)
 
 
+@pytest.mark.parametrize("counts", [[3, 2, 1], [4], [2, 2, 2], [5, 1, 1]])
+def test_decode_depths_match_reference(counts):
+    """A decode step with jump-forward drafts (rows depth-major, sequence i runs the depths with
+    counts[d] > i): outputs, final states and the states saved after each depth but the last."""
+    gen = torch.Generator().manual_seed(sum(counts) * 10 + len(counts))
+    T, N = sum(counts), counts[0]
+    P = N + 3
+    hk, hv, dk, dv, C, W = 1, 2, 24, 40, 100, 4
+    q, k = torch.randn(T, hk, dk, generator=gen).to(DEV), torch.randn(T, hk, dk, generator=gen).to(DEV)
+    v = torch.randn(T, hv, dv, generator=gen).to(DEV)
+    g, beta = (-torch.rand(T, hv, generator=gen) * 0.3).to(DEV), torch.rand(T, hv, generator=gen).to(DEV)
+    pool = (torch.randn(P, hv, dk, dv, generator=gen) * 0.1).to(DEV)
+    slots = torch.randperm(P, generator=gen)[:N].to(DEV)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want, want_saved = gdr_ref.gated_delta_rule_decode_depths_slots(q, k, v, g, beta, want_pool, slots, counts)
+    got, got_saved = gated_delta_rule_decode_depths_slots(q, k, v, g, beta, got_pool, slots, counts)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_pool, want_pool, atol=1e-5, rtol=1e-5)
+    assert len(got_saved) == len(want_saved) == len(counts) - 1
+    for a, b in zip(got_saved, want_saved):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+    x, weight = torch.randn(T, C, generator=gen).to(DEV), torch.randn(C, W, generator=gen).to(DEV)
+    cpool = torch.randn(P, C, W - 1, generator=gen).to(DEV)
+    want_c, got_c = cpool.clone(), cpool.clone()
+    want, want_saved = conv_ref.causal_conv1d_update_depths_slots(x, want_c, weight, slots, counts)
+    got, got_saved = causal_conv1d_update_depths_slots(x, got_c, weight, slots, counts)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got_c, want_c) and len(got_saved) == len(want_saved)
+    for a, b in zip(got_saved, want_saved):
+        assert torch.equal(a, b)
+
+
 # prefill batches: (length, taps as token counts); lengths 1 / 63 / 200, a tap at 1 and one just
 # before the end, sequences of unequal and of similar lengths (the reference's padded call)
 PREFILL = [
@@ -309,3 +343,38 @@ def test_engine_greedy_tokens_same_with_kernels(models, name):
         outs[kernels] = out
     assert outs["triton"] == outs["torch"] and len(outs["torch"]) == 7
     assert all(len(v) == 4 for v in outs["torch"].values())
+
+
+def test_jump_forward_greedy_tokens_same_with_kernels(models):
+    """Constrained requests with jump-forward drafts on the hybrid model: the draft rows run the
+    depth kernels (DeltaNet and conv, states saved per depth for undoing rejected tails); the greedy
+    tokens equal the reference path's, and drafts were made and kept."""
+    import json
+    import random
+
+    from radixflow.services.executor.engine import Engine, EngineConfig
+    from radixflow.services.grammar.backends import make
+    from radixflow.shared.messages import ExecRequest, SamplingParams
+    model = models["tiny-hybrid"]
+    backend = make("xgrammar", model)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "kind": {"enum": ["alphabetical", "numerical"]},
+                                               "count": {"type": "integer"}},
+              "required": ["name", "kind", "count"], "additionalProperties": False}
+    raw = backend.compile("json_schema", json.dumps(schema)).raw
+    outs, kept = {}, {}
+    for kernels in ("torch", "triton"):
+        e = Engine(EngineConfig(model=model, device=str(DEV), page_size=16, max_total_tokens=4096, kernels=kernels,
+                                jump_forward=4, burst_gap_s=0, overlap=False, warmup_tokens=8))
+        for i in range(2):
+            rng = random.Random(i)
+            e.add(ExecRequest(rid=f"j{i}", input_ids=[rng.randrange(3, 4000) for _ in range(6 + 3 * i)], eos_token_ids=[0, 2],
+                              sampling=SamplingParams(temperature=0.0, max_new_tokens=12)), backend.load(raw))
+        out: dict[str, list[int]] = {}
+        while e.has_work():
+            for _, o in e.step():
+                assert not o.error, o.error
+                out.setdefault(o.rid, []).extend(o.token_ids)
+        outs[kernels], kept[kernels] = out, (e.runner.drafted, e.runner.kept)
+    assert outs["triton"] == outs["torch"] and len(outs["torch"]) == 2
+    assert kept["triton"] == kept["torch"] and kept["torch"][1] > 0

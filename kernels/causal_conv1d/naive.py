@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["causal_conv1d", "causal_conv1d_padded", "causal_conv1d_update", "causal_conv1d_update_slots",
-           "causal_conv1d_update_depths"]
+           "causal_conv1d_update_depths", "causal_conv1d_update_depths_slots"]
 
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -175,4 +175,20 @@ def causal_conv1d_update_depths(
         lo = counts[d + 1] if d + 1 < D else 0
         if counts[d] > lo:
             state[lo: counts[d]] = hist[lo: counts[d], d + 1: d + 1 + Wm1].transpose(1, 2)
+    return out, saved
+
+
+def causal_conv1d_update_depths_slots(
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    weight: torch.Tensor,
+    slots: torch.Tensor,
+    counts: list[int],
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """causal_conv1d_update_depths on states in a pool: sequence i's state is pool[slots[i]]
+    (slots: [counts[0]], distinct), shifted there. Returns y and saved as that function does."""
+    st = pool[slots]
+    out, saved = causal_conv1d_update_depths(x, st, weight, counts, activation)
+    pool[slots] = st
     return out, saved

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 __all__ = ["recurrent_gated_delta_rule", "chunk_gated_delta_rule", "gated_delta_rule_decode",
-           "gated_delta_rule_decode_slots", "gated_delta_rule_decode_depths", "l2norm"]
+           "gated_delta_rule_decode_slots", "gated_delta_rule_decode_depths", "gated_delta_rule_decode_depths_slots",
+           "l2norm"]
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -203,6 +204,25 @@ def gated_delta_rule_decode_depths(
         if n > lo:
             state[lo:n] = ends[d][lo:n]
     return o.to(out_dtype), [ends[d][: counts[d + 1]] for d in range(len(counts) - 1)]
+
+
+def gated_delta_rule_decode_depths_slots(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    counts: list[int],
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """gated_delta_rule_decode_depths on states in a pool: sequence i's state is pool[slots[i]]
+    (slots: [counts[0]], distinct), updated there. Returns o and saved as that function does."""
+    st = pool[slots]
+    o, saved = gated_delta_rule_decode_depths(q, k, v, g, beta, st, counts, use_qk_l2norm)
+    pool[slots] = st
+    return o, saved
 
 
 def recurrent_gated_delta_rule(

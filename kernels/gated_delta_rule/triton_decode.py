@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["gated_delta_rule_decode_slots"]
+__all__ = ["gated_delta_rule_decode_slots", "gated_delta_rule_decode_depths_slots"]
 
 
 @triton.jit
@@ -77,3 +77,65 @@ def gated_delta_rule_decode_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         pool.stride(0), pool.stride(1), pool.stride(2), o.stride(0), o.stride(1),
         GROUP=Hv // Hk, DK=DK, DV=DV, L2NORM=use_qk_l2norm, BLOCK_K=triton.next_power_of_2(DK), BLOCK_V=BLOCK_V)
     return o
+
+
+@triton.jit
+def _gdr_depths(Q, K, V, G, BETA, O, POOL, SLOTS, OFFS, LENS, SAVED, scale,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                stride_ot, stride_oh, stride_pp, stride_ph, stride_pk, stride_sd, stride_sn,
+                GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_V: tl.constexpr):
+    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // GROUP
+    n_depths = tl.load(LENS + i_n)
+    o_k = tl.arange(0, BLOCK_K)
+    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    m_k, m_v = o_k < DK, o_v < DV
+    m_s = m_k[:, None] & m_v[None, :]
+    off_s = i_h * stride_ph + o_k[:, None] * stride_pk + o_v[None, :]
+    slot = tl.load(SLOTS + i_n).to(tl.int64)
+    b_s = tl.load(POOL + slot * stride_pp + off_s, mask=m_s, other=0.).to(tl.float32)         # [BK, BV]
+    p_saved = SAVED + i_n.to(tl.int64) * stride_sn + off_s
+    for d in range(0, n_depths):
+        row = (tl.load(OFFS + d) + i_n).to(tl.int64)            # depth-major rows: depth d's i-th
+        b_q = tl.load(Q + row * stride_qt + i_hk * stride_qh + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_k = tl.load(K + row * stride_kt + i_hk * stride_kh + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=0) + 1e-6) * scale
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
+        b_v = tl.load(V + row * stride_vt + i_h * stride_vh + o_v, mask=m_v, other=0.).to(tl.float32)
+        b_s = b_s * tl.exp(tl.load(G + row * stride_gt + i_h).to(tl.float32))
+        b_delta = (b_v - tl.sum(b_s * b_k[:, None], axis=0)) * tl.load(BETA + row * stride_bt + i_h).to(tl.float32)
+        b_s = b_s + b_k[:, None] * b_delta[None, :]
+        tl.store(O + row * stride_ot + i_h * stride_oh + o_v, tl.sum(b_s * b_q[:, None], axis=0).to(O.dtype.element_ty),
+                 mask=m_v)
+        # below the sequence's last depth: keep the state, for undoing a rejected draft tail
+        m_keep = (o_k[:, None] * 0 + d) < n_depths - 1          # block-shaped (see triton_prefill)
+        tl.store(p_saved + d * stride_sd, b_s, mask=m_s & m_keep)
+    tl.store(POOL + slot * stride_pp + off_s, b_s.to(POOL.dtype.element_ty), mask=m_s)
+
+
+def gated_delta_rule_decode_depths_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                         beta: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+                                         counts: list[int], use_qk_l2norm: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """naive.gated_delta_rule_decode_depths_slots: a decode step with jump-forward drafts, rows
+    depth-major; each program runs its sequence's depths in turn with the state in registers and
+    stores the state after every depth but its last into `saved` ([D-1, N, Hv, K, V], returned as
+    views saved[d][:counts[d+1]])."""
+    if not use_qk_l2norm:
+        raise ValueError("the depth kernel normalizes q and k (as every Gated DeltaNet layer does)")
+    N, D = counts[0], len(counts)
+    Hk, DK = k.shape[1], k.shape[2]
+    Hv, DV = v.shape[1], v.shape[2]
+    dev = q.device
+    offs = torch.tensor([0] + counts[:-1], device=dev).cumsum(0).to(torch.int32)
+    lens = torch.tensor([sum(1 for c in counts if c > i) for i in range(N)], dtype=torch.int32, device=dev)
+    saved = torch.empty(max(D - 1, 1), N, Hv, DK, DV, dtype=torch.float32, device=dev)
+    o = torch.empty(v.shape[0], Hv, DV, dtype=q.dtype, device=dev)
+    g, beta = g.contiguous(), beta.contiguous()
+    BLOCK_V = min(32, triton.next_power_of_2(DV))
+    _gdr_depths[(N, Hv, triton.cdiv(DV, BLOCK_V))](
+        q, k, v, g, beta, o, pool, slots.contiguous(), offs, lens, saved, DK ** -0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        o.stride(0), o.stride(1), pool.stride(0), pool.stride(1), pool.stride(2), saved.stride(0), saved.stride(1),
+        GROUP=Hv // Hk, DK=DK, DV=DV, BLOCK_K=triton.next_power_of_2(DK), BLOCK_V=BLOCK_V)
+    return o, [saved[d, :counts[d + 1]] for d in range(D - 1)]

@@ -12,9 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixflow.kernels.causal_conv1d import causal_conv1d_update_depths
-from radixflow.kernels.gated_delta_rule import gated_delta_rule_decode_depths
-
 from ..forward_batch import ForwardBatch
 from .layers import GatedRMSNorm
 from .spec import ModelSpec
@@ -88,18 +85,14 @@ class GatedDeltaNet(nn.Module):
 
     def _conv_by_depth(self, mixed: torch.Tensor, batch: ForwardBatch, conv: torch.Tensor, saved: list) -> torch.Tensor:
         counts = [e - s for s, e in batch.depth_bounds]
-        slots = batch.state_slots[: counts[0]]
-        st = conv[slots]
-        out, kept = causal_conv1d_update_depths(mixed, st, self.conv_weight, counts)
+        out, kept = batch.kernels.causal_conv1d_update_depths_slots(mixed, conv, self.conv_weight,
+                                                                    batch.state_slots[: counts[0]], counts)
         saved.extend(kept)
-        conv[slots] = st
         return out
 
     def _rule_by_depth(self, q, k, v, g, beta, batch: ForwardBatch, rec: torch.Tensor, saved: list) -> torch.Tensor:
         counts = [e - s for s, e in batch.depth_bounds]
-        slots = batch.state_slots[: counts[0]]
-        st = rec[slots]
-        o, kept = gated_delta_rule_decode_depths(q, k, v, g, beta, st, counts)
+        o, kept = batch.kernels.gated_delta_rule_decode_depths_slots(q, k, v, g, beta, rec, batch.state_slots[: counts[0]],
+                                                                     counts)
         saved.extend(kept)
-        rec[slots] = st
         return o
