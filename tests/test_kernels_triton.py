@@ -227,7 +227,9 @@ def test_decode_depths_match_reference(counts):
 
 
 # prefill batches: (length, taps as token counts); lengths 1 / 63 / 200, a tap at 1 and one just
-# before the end, sequences of unequal and of similar lengths (the reference's padded call)
+# before the end, sequences of unequal and of similar lengths (the reference's padded call). The
+# first goes through the chunked kernel in rounds cut at the taps, the second (all under a chunk)
+# through the recurrent one
 PREFILL = [
     [(1, []), (63, [16, 62]), (200, [1, 64, 128])],
     [(40, [5]), (44, []), (41, [40])],
@@ -263,6 +265,26 @@ def test_gated_delta_rule_prefill_matches_reference(seqs):
     gated_delta_rule_prefill_slots(q, k, v, g, beta, got, got_pool, bounds, slots, taps)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got_pool, want_pool, atol=1e-4, rtol=1e-4)   # final states, taps, the rest
+
+
+@pytest.mark.parametrize("lens", [[1, 63, 200], [64, 65, 128]])
+def test_chunked_gated_delta_rule_matches_reference(lens):
+    """The chunked kernel alone: sequences ending inside, at and just past a 64-token chunk."""
+    from radixflow.kernels.gated_delta_rule.triton_chunk import chunk_gated_delta_rule_slots
+    gen = torch.Generator().manual_seed(sum(lens))
+    seqs = [(n, []) for n in lens]
+    bounds, T, slots, taps = _prefill_layout(seqs, 1, gen)
+    hk, hv, dk, dv = 2, 4, 16, 24
+    q, k = torch.randn(T, hk, dk, generator=gen).to(DEV), torch.randn(T, hk, dk, generator=gen).to(DEV)
+    v = torch.randn(T, hv, dv, generator=gen).to(DEV)
+    g, beta = (-torch.rand(T, hv, generator=gen)).to(DEV), torch.rand(T, hv, generator=gen).to(DEV)
+    pool = (torch.randn(len(lens) + 1, hv, dk, dv, generator=gen) * 0.1).to(DEV)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want, got = torch.zeros(T, hv, dv, device=DEV), torch.zeros(T, hv, dv, device=DEV)
+    gdr_prefill_ref(q, k, v, g, beta, want, want_pool, bounds, slots, taps)
+    chunk_gated_delta_rule_slots(q, k, v, g, beta, got, got_pool, bounds, slots)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_pool, want_pool, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("seqs", PREFILL + [[(2, [1]), (3, [])]])        # shorter than the window too
@@ -309,8 +331,8 @@ def test_engine_greedy_tokens_same_with_kernels(models, name):
     from radixflow.shared.messages import ExecRequest, SamplingParams
     def ids(seed: int, n: int) -> list[int]:
         return [random.Random(seed).randrange(3, 8000) for _ in range(n)]
-    # the hybrid model's prefill runs token by token in the interpreter: shorter prompts (the
-    # dense one's long prompt is what spans several split-K programs)
+    # the hybrid model's DeltaNet kernels are slow in the interpreter: shorter prompts, one of them
+    # past a 64-token chunk (the chunked prefill), the rest under it (the recurrent one)
     dense = name == "tiny-dense"
     preamble = ids(1, 64 if dense else 16)
 
@@ -318,7 +340,7 @@ def test_engine_greedy_tokens_same_with_kernels(models, name):
         return ExecRequest(rid=rid, input_ids=p, eos_token_ids=[2],
                            sampling=SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
     first = [req("short", ids(5, 5)), req("mid", ids(70, 40 if dense else 20)),
-             req("long", ids(300, 300 if dense else 40)),
+             req("long", ids(300, 300 if dense else 70)),
              req("agent-a", preamble + ids(2, 9)), req("agent-b", preamble + ids(3, 20))]
     # after the first step the preamble is cached: these two prefill over it together (a cascade prefill)
     later = [req("agent-c", preamble + ids(4, 12)), req("agent-d", preamble + ids(6, 40 if dense else 16))]

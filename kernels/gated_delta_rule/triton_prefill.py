@@ -1,13 +1,14 @@
 """The gated delta rule over a packed prefill batch in Triton, states in the pool by slot, with
-checkpoint taps (`packed.gated_delta_rule_prefill_slots`).
+checkpoint taps (`packed.gated_delta_rule_prefill_slots`). Two kernels:
 
-A fused recurrent form: program (n, h, j) carries columns j*BLOCK_V.. of sequence n's state for
-head h in registers through its tokens one by one (the decode kernel's update, in a loop), so the
-state is read from the pool once and written once, plus once per tap (the state after the tap's
-first n tokens, to the tap's slot). Each token costs the same O(K x BLOCK_V) work; it does not
-use tensor cores the way a chunked (WY) kernel would, which pays for long prompts on a GPU.
-
-    grid (N, Hv, V / BLOCK_V)
+- fused recurrent (here), for batches of short sequences (all under a chunk): program (n, h, j)
+  carries columns j*BLOCK_V.. of sequence n's state for head h in registers through its tokens one
+  by one (the decode kernel's update, in a loop), read from the pool once and written once, plus
+  once per tap (the state after the tap's first n tokens, to the tap's slot);
+      grid (N, Hv, V / BLOCK_V)
+- chunked (triton_chunk.py), otherwise: matrix products per chunk of 64 tokens. It leaves states
+  only at a sequence's end, so a sequence with taps is cut at them and the pieces run in rounds
+  (round r: every sequence's r-th piece, one launch), each tap's state copied out after its round.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from .triton_chunk import CHUNK, chunk_gated_delta_rule_slots
 
 __all__ = ["gated_delta_rule_prefill_slots"]
 
@@ -82,11 +85,9 @@ def gated_delta_rule_prefill_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                    bounds: list[tuple[int, int]], slots: list[int],
                                    taps: list[list[tuple[int, int]]]) -> None:
     """packed.gated_delta_rule_prefill_slots (q, k L2-normalized; see its docstring)."""
-    N = len(bounds)
-    if N == 0:
+    if not bounds:
         return
-    Hk, DK = k.shape[1], k.shape[2]
-    Hv, DV = v.shape[1], v.shape[2]
+    Hk, Hv, DV = k.shape[1], v.shape[1], v.shape[2]
     if Hv % Hk != 0:
         raise ValueError(f"Hv={Hv} must be a multiple of Hk={Hk}")
     for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("pool", pool)):
@@ -94,6 +95,28 @@ def gated_delta_rule_prefill_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Te
             raise ValueError(f"{name}'s last dim must be contiguous")
     if pool.stride(2) != DV:
         raise ValueError("the pool's states must be contiguous [K, V] blocks")
+    if max(e - s for s, e in bounds) < CHUNK:
+        _recurrent(q, k, v, g, beta, o, pool, bounds, slots, taps)
+        return
+    pieces = []
+    for (s, e), cuts in zip(bounds, taps):
+        ends = [s + n for n, _ in cuts] + [e]
+        pieces.append(list(zip([s] + ends[:-1], ends, [d for _, d in cuts] + [-1])))
+    for r in range(max(len(p) for p in pieces)):
+        now = [(i, p[r]) for i, p in enumerate(pieces) if r < len(p)]
+        chunk_gated_delta_rule_slots(q, k, v, g, beta, o, pool, [(a, b) for _, (a, b, _) in now],
+                                     [slots[i] for i, _ in now])
+        copies = [(slots[i], dst) for i, (_, _, dst) in now if dst >= 0]
+        if copies:
+            src, dst = zip(*copies)
+            pool[torch.tensor(dst, device=pool.device)] = pool[torch.tensor(src, device=pool.device)]
+
+
+def _recurrent(q, k, v, g, beta, o, pool, bounds: list[tuple[int, int]], slots: list[int],
+               taps: list[list[tuple[int, int]]]) -> None:
+    N = len(bounds)
+    Hk, DK = k.shape[1], k.shape[2]
+    Hv, DV = v.shape[1], v.shape[2]
     dev = q.device
     starts = torch.tensor([s for s, _ in bounds], dtype=torch.int32, device=dev)
     ends = torch.tensor([e for _, e in bounds], dtype=torch.int32, device=dev)
