@@ -91,6 +91,7 @@ def _decode_merge(O_PART, LSE_PART, O, LSE, stride_on, stride_oh, stride_os, str
     m_s = o_s < SPLITS
     b_lse = tl.load(LSE_PART + i_n * stride_ln + i_h * stride_lh + o_s, mask=m_s, other=float("-inf"))   # [BS]
     b_max = tl.max(b_lse, axis=0)
+    b_max = tl.where(b_max == float("-inf"), 0., b_max)          # no split saw a key (no NaN)
     b_w = tl.where(m_s, tl.exp(b_lse - b_max), 0.)
     p_o = O_PART + i_n * stride_on + i_h * stride_oh + o_s[:, None] * stride_os + o_d[None, :]
     b_o = tl.load(p_o, mask=m_s[:, None] & (o_d[None, :] < D), other=0.)                                 # [BS, BD]
@@ -144,7 +145,8 @@ def decode_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     _decode_merge[(N, Hq)](
         o_part, lse_part, o, lse, o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), o.stride(0), o.stride(1), lse.stride(0),
-        SPLITS=splits, D=D, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=BLOCK_D)
+        SPLITS=splits, D=D, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=BLOCK_D,
+        num_warps=8 if triton.next_power_of_2(splits) * BLOCK_D >= 8192 else 4)
     return o, lse
 
 

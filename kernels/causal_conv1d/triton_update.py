@@ -89,6 +89,7 @@ def _conv_depths(X, Y, POOL, WEIGHT, SLOTS, OFFS, LENS, SAVED, stride_xt, stride
         row_d = (tl.load(OFFS + d) + i_n).to(tl.int64)
         tl.store(Y + row_d * stride_yt + o_c, b_y.to(Y.dtype.element_ty), mask=m_c)
     # the state after depth e (columns: inputs e+1-(W-1) .. e): saved below the last depth
+    p_saved = SAVED + i_n.to(tl.int64) * stride_sn + o_c[:, None] * stride_sc + o_w[None, :]
     for e in range(0, n_depths - 1):
         p = e + 1 - (W - 1) + o_w                                                               # [BW]
         m = m_c[:, None] & (o_w[None, :] < W - 1)
@@ -96,8 +97,8 @@ def _conv_depths(X, Y, POOL, WEIGHT, SLOTS, OFFS, LENS, SAVED, stride_xt, stride
         b_x = tl.load(X + rows[None, :] * stride_xt + o_c[:, None], mask=m & (p[None, :] >= 0), other=0.)
         b_st = tl.load(POOL + slot * stride_pp + o_c[:, None] * stride_pc + (W - 1 + p)[None, :],
                        mask=m & (p[None, :] < 0), other=0.)
-        tl.store(SAVED + e * stride_sd + i_n.to(tl.int64) * stride_sn + o_c[:, None] * stride_sc + o_w[None, :],
-                 (b_x.to(tl.float32) + b_st.to(tl.float32)).to(SAVED.dtype.element_ty), mask=m)
+        tl.store(p_saved, (b_x.to(tl.float32) + b_st.to(tl.float32)).to(SAVED.dtype.element_ty), mask=m)
+        p_saved += stride_sd
     # and after the last, into the pool (read above: nothing reads it after this)
     e = n_depths - 1
     p = e + 1 - (W - 1) + o_w
@@ -118,6 +119,8 @@ def causal_conv1d_update_depths_slots(x: torch.Tensor, pool: torch.Tensor, weigh
         raise ValueError(f"unsupported activation {activation!r}")
     N, D = counts[0], len(counts)
     C, W = weight.shape
+    if x.stride(-1) != 1 or pool.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("x, pool and weight need their last dim contiguous")
     dev = x.device
     offs = torch.tensor([0] + counts[:-1], device=dev).cumsum(0).to(torch.int32)
     lens = torch.tensor([sum(1 for c in counts if c > i) for i in range(N)], dtype=torch.int32, device=dev)

@@ -112,4 +112,6 @@ def chunk_gated_delta_rule_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         o.stride(0), o.stride(1), pool.stride(0), pool.stride(1), pool.stride(2),
         GROUP=Hv // Hk, DK=DK, DV=DV, C=CHUNK, BLOCK_K=max(16, triton.next_power_of_2(DK)), BLOCK_V=max(16, BLOCK_V),
         PRECISION="ieee" if INTERPRETING or q.dtype == torch.float32 else "tf32",
-        num_warps=8)     # a chunk's q, k and W blocks are 64 x 128 fp32 each at Qwen3.5's head dims
+        # a chunk's q, k and W blocks are 64 x 128 fp32 each at Qwen3.5's head dims; the loop is
+        # latency-bound, so no pipelining stages to fill shared memory with
+        num_warps=8, num_stages=1)

@@ -110,7 +110,8 @@ def _gdr_depths(Q, K, V, G, BETA, O, POOL, SLOTS, OFFS, LENS, SAVED, scale,
                  mask=m_v)
         # below the sequence's last depth: keep the state, for undoing a rejected draft tail
         m_keep = (o_k[:, None] * 0 + d) < n_depths - 1          # block-shaped (see triton_prefill)
-        tl.store(p_saved + d * stride_sd, b_s, mask=m_s & m_keep)
+        tl.store(p_saved, b_s, mask=m_s & m_keep)
+        p_saved += stride_sd                                     # a pointer step: no int32 d * stride
     tl.store(POOL + slot * stride_pp + off_s, b_s.to(POOL.dtype.element_ty), mask=m_s)
 
 
@@ -126,6 +127,11 @@ def gated_delta_rule_decode_depths_slots(q: torch.Tensor, k: torch.Tensor, v: to
     N, D = counts[0], len(counts)
     Hk, DK = k.shape[1], k.shape[2]
     Hv, DV = v.shape[1], v.shape[2]
+    for name, t in (("q", q), ("k", k), ("v", v), ("pool", pool)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}'s last dim must be contiguous")
+    if pool.stride(2) != DV:
+        raise ValueError("the pool's states must be contiguous [K, V] blocks")
     dev = q.device
     offs = torch.tensor([0] + counts[:-1], device=dev).cumsum(0).to(torch.int32)
     lens = torch.tensor([sum(1 for c in counts if c > i) for i in range(N)], dtype=torch.int32, device=dev)
