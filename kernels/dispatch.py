@@ -17,9 +17,15 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Kernels", "CHOICES", "pick", "reference", "triton_kernels"]
+__all__ = ["Kernels", "CHOICES", "interpreting", "pick", "reference", "triton_kernels"]
 
 CHOICES = ("auto", "torch", "triton")
+
+
+def interpreting() -> bool:
+    """Triton's interpreter (numpy, one program after another) is on: the kernels' launchers pick
+    interpreter-safe settings (fp32 dots, wide programs)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,7 @@ def pick(device: torch.device, choice: str = "auto") -> Kernels:
         choice = "triton" if device.type == "cuda" else "torch"
     if choice == "torch":
         return reference()
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type != "cuda" and not interpreting():
         raise ValueError(f"Triton kernels need a CUDA device (this runner is on {device.type}); "
                          "on a CPU they run only under TRITON_INTERPRET=1, for testing")
     return triton_kernels()

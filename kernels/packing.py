@@ -22,3 +22,12 @@ def padded_rows(bounds: list[tuple[int, int]], T: int, dev) -> tuple[torch.Tenso
     for b, (s, e) in enumerate(bounds):
         idx[b, : e - s] = torch.arange(s, e, device=dev)
     return idx, idx < T
+
+
+def depth_layout(counts: list[int], dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step with drafts, rows depth-major (depth d's counts[d] rows belong to sequences
+    0 .. counts[d]-1): each depth's first row [D] and each sequence's number of depths [counts[0]],
+    int32 on `dev`, for the depth kernels to find row (d, i) = offsets[d] + i."""
+    offsets = torch.tensor([0] + counts[:-1], device=dev).cumsum(0).to(torch.int32)
+    depths = torch.tensor([sum(1 for c in counts if c > i) for i in range(counts[0])], dtype=torch.int32, device=dev)
+    return offsets, depths

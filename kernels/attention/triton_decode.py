@@ -16,16 +16,43 @@ sequence's end see no keys (lse = -inf) and weigh nothing in the merge.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ..dispatch import interpreting
+
 __all__ = ["decode_attention", "decode_attention_lse"]
 
 BLOCK_N = 32          # keys per tile
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def online_softmax(b_s, b_v, b_m, b_l, b_acc, PRECISION: tl.constexpr):
+    """One key tile into a flash-attention row state: scores b_s [R, BN] (masked keys at -inf),
+    values b_v [BN, BD]; running max b_m, denominator b_l [R] and unnormalized output b_acc [R, BD]."""
+    b_mnew = tl.maximum(b_m, tl.max(b_s, axis=1))
+    # a row that has seen no key yet keeps m = -inf; measure it from 0 so that no -inf - -inf
+    b_base = tl.where(b_mnew == float("-inf"), 0., b_mnew)
+    b_alpha = tl.exp(b_m - b_base)
+    b_p = tl.exp(b_s - b_base[:, None])
+    b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
+    return b_mnew, b_l, b_acc
+
+
+@triton.jit
+def softmax_finish(b_m, b_l, b_acc):
+    """The normalized output and its lse; a row that saw no key (l = 0) gets o = 0, lse = -inf."""
+    b_den = tl.where(b_l > 0, b_l, 1.)
+    return b_acc / b_den[:, None], tl.where(b_l > 0, b_m + tl.log(b_den), float("-inf"))
+
+
+def dot_in_fp32(q: torch.Tensor, pool: torch.Tensor) -> bool:
+    """fp32 anywhere (the query or the pool) keeps the products in fp32 ("ieee": no TF32 rounding),
+    as the reference does; 16-bit query and pool multiply in 16 bits and accumulate in fp32.
+    Triton's interpreter multiplies bf16 blocks wrongly (their bits as integers), so it gets fp32."""
+    return q.dtype == torch.float32 or pool.dtype == torch.float32 or interpreting()
 
 
 @triton.jit
@@ -65,17 +92,10 @@ def _decode_split(Q, K, V, TABLE, LENS, O_PART, LSE_PART, scale,
             b_k, b_v = b_k.to(tl.float32), b_v.to(tl.float32)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * scale             # [BG, BN]
         b_s = tl.where(m_k[None, :], b_s, float("-inf"))
-        b_mnew = tl.maximum(b_m, tl.max(b_s, axis=1))
-        b_alpha = tl.exp(b_m - b_mnew)
-        b_p = tl.exp(b_s - b_mnew[:, None])
-        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
-        b_m = b_mnew
+        b_m, b_l, b_acc = online_softmax(b_s, b_v, b_m, b_l, b_acc, PRECISION)
 
     # an empty split (lo >= hi) leaves l = 0: its lse is -inf and the merge gives it no weight
-    b_den = tl.where(b_l > 0, b_l, 1.)
-    b_lse = tl.where(b_l > 0, b_m + tl.log(b_den), float("-inf"))
-    b_o = b_acc / b_den[:, None]
+    b_o, b_lse = softmax_finish(b_m, b_l, b_acc)
     p_o = O_PART + i_n64 * stride_on + heads[:, None] * stride_oh + i_s * stride_os + o_d[None, :]
     tl.store(p_o, b_o, mask=m_g[:, None] & m_d[None, :])
     tl.store(LSE_PART + i_n64 * stride_ln + heads * stride_lh + i_s, b_lse, mask=m_g)
@@ -130,10 +150,7 @@ def decode_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     o_part = torch.empty(N, Hq, splits, D, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(N, Hq, splits, dtype=torch.float32, device=q.device)
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    # fp32 anywhere (the query or the pool) keeps the products in fp32 ("ieee": no TF32 rounding),
-    # as the reference does; 16-bit query and pool multiply in 16 bits and accumulate in fp32.
-    # Triton's interpreter multiplies bf16 blocks wrongly (their bits as integers), so it gets fp32
-    dot_fp32 = q.dtype == torch.float32 or k_cache.dtype == torch.float32 or INTERPRETING
+    dot_fp32 = dot_in_fp32(q, k_cache)
     _decode_split[(N, Hkv, splits)](
         q, k_cache, v_cache, table, lens, o_part, lse_part, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),

@@ -17,20 +17,18 @@ member), every sequence's own keys in one more launch, and the two merge through
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+
 from .cascade import SharedPrefix, merge
-from .triton_decode import decode_attention_lse
+from .triton_decode import decode_attention_lse, dot_in_fp32, online_softmax, softmax_finish
 
 __all__ = ["attend_paged", "extend_attention", "cascade_prefill", "cascade_decode"]
 
 BLOCK_M = 16          # query tokens per program
 BLOCK_N = 32          # keys per tile
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -83,18 +81,9 @@ def _attend_paged(Q, K, V, CU_Q, TABLE, KEY_LENS, Q_POS0, O, LSE, scale,
         if CAUSAL:
             visible = visible & (o_k[None, :] <= q_pos[:, None])
         b_s = tl.where(visible, b_s, float("-inf"))
-        b_mnew = tl.maximum(b_m, tl.max(b_s, axis=1))
-        # a row that has seen no key yet keeps m = -inf; measure it from 0 so that no -inf - -inf
-        b_base = tl.where(b_mnew == float("-inf"), 0., b_mnew)
-        b_alpha = tl.exp(b_m - b_base)
-        b_p = tl.exp(b_s - b_base[:, None])
-        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
-        b_m = b_mnew
+        b_m, b_l, b_acc = online_softmax(b_s, b_v, b_m, b_l, b_acc, PRECISION)
 
-    b_den = tl.where(b_l > 0, b_l, 1.)
-    b_o = b_acc / b_den[:, None]
-    b_lse = tl.where(b_l > 0, b_m + tl.log(b_den), float("-inf"))
+    b_o, b_lse = softmax_finish(b_m, b_l, b_acc)
     tl.store(O + row[:, None] * stride_ot + head[:, None] * stride_oh + o_d[None, :], b_o.to(O.dtype.element_ty),
              mask=m_r[:, None] & m_d[None, :])
     tl.store(LSE + row * stride_lt + head, b_lse, mask=m_r)
@@ -118,7 +107,7 @@ def attend_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         return o, lse
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q and the pool need their head dim contiguous")
-    dot_fp32 = q.dtype == torch.float32 or k_cache.dtype == torch.float32 or INTERPRETING   # see triton_decode
+    dot_fp32 = dot_in_fp32(q, k_cache)
     dev = q.device
     table = table.to(dev).contiguous()
     BLOCK_G, BLOCK_D = triton.next_power_of_2(G), max(16, triton.next_power_of_2(D))

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..packing import depth_layout
+
 __all__ = ["causal_conv1d_update_slots", "causal_conv1d_update_depths_slots"]
 
 
@@ -122,8 +124,7 @@ def causal_conv1d_update_depths_slots(x: torch.Tensor, pool: torch.Tensor, weigh
     if x.stride(-1) != 1 or pool.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("x, pool and weight need their last dim contiguous")
     dev = x.device
-    offs = torch.tensor([0] + counts[:-1], device=dev).cumsum(0).to(torch.int32)
-    lens = torch.tensor([sum(1 for c in counts if c > i) for i in range(N)], dtype=torch.int32, device=dev)
+    offs, lens = depth_layout(counts, dev)
     saved = torch.empty(max(D - 1, 1), N, C, max(W - 1, 1), dtype=pool.dtype, device=dev)
     y = torch.empty_like(x)
     BLOCK_C = min(128, triton.next_power_of_2(C))

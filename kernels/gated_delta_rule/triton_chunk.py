@@ -20,16 +20,15 @@ pieces run in rounds, so the state at a tap is the state at the end of a piece.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ..dispatch import interpreting
+
 __all__ = ["chunk_gated_delta_rule_slots", "CHUNK"]
 
 CHUNK = 64
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -105,13 +104,13 @@ def chunk_gated_delta_rule_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     ends = torch.tensor([e for _, e in bounds], dtype=torch.int32, device=dev)
     g, beta = g.contiguous(), beta.contiguous()
     # the interpreter runs one program after another: one wide program per head there
-    BLOCK_V = triton.next_power_of_2(DV) if INTERPRETING else min(32, triton.next_power_of_2(DV))
+    BLOCK_V = triton.next_power_of_2(DV) if interpreting() else min(32, triton.next_power_of_2(DV))
     _gdr_chunk[(N, Hv, triton.cdiv(DV, BLOCK_V))](
         q, k, v, g, beta, o, pool, starts, ends, torch.tensor(slots, dtype=torch.int32, device=dev), DK ** -0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         o.stride(0), o.stride(1), pool.stride(0), pool.stride(1), pool.stride(2),
         GROUP=Hv // Hk, DK=DK, DV=DV, C=CHUNK, BLOCK_K=max(16, triton.next_power_of_2(DK)), BLOCK_V=max(16, BLOCK_V),
-        PRECISION="ieee" if INTERPRETING or q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if interpreting() or q.dtype == torch.float32 else "tf32",
         # a chunk's q, k and W blocks are 64 x 128 fp32 each at Qwen3.5's head dims; the loop is
         # latency-bound, so no pipelining stages to fill shared memory with
         num_warps=8, num_stages=1)

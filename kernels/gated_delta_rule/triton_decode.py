@@ -17,7 +17,28 @@ import torch
 import triton
 import triton.language as tl
 
+from ..packing import depth_layout
+
 __all__ = ["gated_delta_rule_decode_slots", "gated_delta_rule_decode_depths_slots"]
+
+
+@triton.jit
+def qk_normalized(b_q, b_k, scale, L2NORM: tl.constexpr):
+    """One token's q and k ([BK] fp32): L2-normalized (eps inside the sqrt, as naive.l2norm), q scaled."""
+    if L2NORM:
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
+    return b_q * scale, b_k
+
+
+@triton.jit
+def delta_step(b_s, b_q, b_k, b_v, b_g, b_beta):
+    """One token through the rule on state columns b_s [BK, BV] (the module docstring's update):
+    returns the new state and the token's output columns [BV]."""
+    b_s = b_s * tl.exp(b_g)
+    b_delta = (b_v - tl.sum(b_s * b_k[:, None], axis=0)) * b_beta                               # [BV]
+    b_s = b_s + b_k[:, None] * b_delta[None, :]
+    return b_s, tl.sum(b_s * b_q[:, None], axis=0)
 
 
 @triton.jit
@@ -33,10 +54,7 @@ def _gdr_decode(Q, K, V, G, BETA, POOL, SLOTS, O, scale,
     m_k, m_v = o_k < DK, o_v < DV
     b_q = tl.load(Q + i_n * stride_qn + i_hk * stride_qh + o_k, mask=m_k, other=0.).to(tl.float32)   # [BK]
     b_k = tl.load(K + i_n * stride_kn + i_hk * stride_kh + o_k, mask=m_k, other=0.).to(tl.float32)   # [BK]
-    if L2NORM:
-        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
-    b_q = b_q * scale
+    b_q, b_k = qk_normalized(b_q, b_k, scale, L2NORM)
     b_v = tl.load(V + i_n * stride_vn + i_h * stride_vh + o_v, mask=m_v, other=0.).to(tl.float32)   # [BV]
     b_g = tl.load(G + i_n * stride_gn + i_h).to(tl.float32)
     b_beta = tl.load(BETA + i_n * stride_bn + i_h).to(tl.float32)
@@ -44,10 +62,7 @@ def _gdr_decode(Q, K, V, G, BETA, POOL, SLOTS, O, scale,
     slot = tl.load(SLOTS + i_n).to(tl.int64)
     p_s = POOL + slot * stride_pp + i_h * stride_ph + o_k[:, None] * stride_pk + o_v[None, :]
     m_s = m_k[:, None] & m_v[None, :]
-    b_s = tl.load(p_s, mask=m_s, other=0.).to(tl.float32) * tl.exp(b_g)                       # [BK, BV]
-    b_delta = (b_v - tl.sum(b_s * b_k[:, None], axis=0)) * b_beta                               # [BV]
-    b_s = b_s + b_k[:, None] * b_delta[None, :]
-    b_o = tl.sum(b_s * b_q[:, None], axis=0)                                                    # [BV]
+    b_s, b_o = delta_step(tl.load(p_s, mask=m_s, other=0.).to(tl.float32), b_q, b_k, b_v, b_g, b_beta)
     tl.store(p_s, b_s.to(POOL.dtype.element_ty), mask=m_s)
     tl.store(O + i_n * stride_on + i_h * stride_oh + o_v, b_o.to(O.dtype.element_ty), mask=m_v)
 
@@ -100,14 +115,11 @@ def _gdr_depths(Q, K, V, G, BETA, O, POOL, SLOTS, OFFS, LENS, SAVED, scale,
         row = (tl.load(OFFS + d) + i_n).to(tl.int64)            # depth-major rows: depth d's i-th
         b_q = tl.load(Q + row * stride_qt + i_hk * stride_qh + o_k, mask=m_k, other=0.).to(tl.float32)
         b_k = tl.load(K + row * stride_kt + i_hk * stride_kh + o_k, mask=m_k, other=0.).to(tl.float32)
-        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=0) + 1e-6) * scale
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
+        b_q, b_k = qk_normalized(b_q, b_k, scale, True)
         b_v = tl.load(V + row * stride_vt + i_h * stride_vh + o_v, mask=m_v, other=0.).to(tl.float32)
-        b_s = b_s * tl.exp(tl.load(G + row * stride_gt + i_h).to(tl.float32))
-        b_delta = (b_v - tl.sum(b_s * b_k[:, None], axis=0)) * tl.load(BETA + row * stride_bt + i_h).to(tl.float32)
-        b_s = b_s + b_k[:, None] * b_delta[None, :]
-        tl.store(O + row * stride_ot + i_h * stride_oh + o_v, tl.sum(b_s * b_q[:, None], axis=0).to(O.dtype.element_ty),
-                 mask=m_v)
+        b_s, b_o = delta_step(b_s, b_q, b_k, b_v, tl.load(G + row * stride_gt + i_h).to(tl.float32),
+                              tl.load(BETA + row * stride_bt + i_h).to(tl.float32))
+        tl.store(O + row * stride_ot + i_h * stride_oh + o_v, b_o.to(O.dtype.element_ty), mask=m_v)
         # below the sequence's last depth: keep the state, for undoing a rejected draft tail
         m_keep = (o_k[:, None] * 0 + d) < n_depths - 1          # block-shaped (see triton_prefill)
         tl.store(p_saved, b_s, mask=m_s & m_keep)
@@ -133,8 +145,7 @@ def gated_delta_rule_decode_depths_slots(q: torch.Tensor, k: torch.Tensor, v: to
     if pool.stride(2) != DV:
         raise ValueError("the pool's states must be contiguous [K, V] blocks")
     dev = q.device
-    offs = torch.tensor([0] + counts[:-1], device=dev).cumsum(0).to(torch.int32)
-    lens = torch.tensor([sum(1 for c in counts if c > i) for i in range(N)], dtype=torch.int32, device=dev)
+    offs, lens = depth_layout(counts, dev)
     saved = torch.empty(max(D - 1, 1), N, Hv, DK, DV, dtype=torch.float32, device=dev)
     o = torch.empty(v.shape[0], Hv, DV, dtype=q.dtype, device=dev)
     g, beta = g.contiguous(), beta.contiguous()

@@ -12,17 +12,17 @@ checkpoint taps (`packed.gated_delta_rule_prefill_slots`). Two kernels:
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ..dispatch import interpreting
+
 from .triton_chunk import CHUNK, chunk_gated_delta_rule_slots
+from .triton_decode import delta_step, qk_normalized
 
 __all__ = ["gated_delta_rule_prefill_slots"]
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -47,15 +47,10 @@ def _gdr_prefill(Q, K, V, G, BETA, O, POOL, STARTS, ENDS, SLOTS, TAP_LO, TAP_N, 
     for t in range(start, end):
         b_q = tl.load(Q + t64 * stride_qt + i_hk * stride_qh + o_k, mask=m_k, other=0.).to(tl.float32)
         b_k = tl.load(K + t64 * stride_kt + i_hk * stride_kh + o_k, mask=m_k, other=0.).to(tl.float32)
-        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=0) + 1e-6) * scale
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
+        b_q, b_k = qk_normalized(b_q, b_k, scale, True)
         b_v = tl.load(V + t64 * stride_vt + i_h * stride_vh + o_v, mask=m_v, other=0.).to(tl.float32)
-        b_g = tl.load(G + t64 * stride_gt + i_h).to(tl.float32)
-        b_beta = tl.load(BETA + t64 * stride_bt + i_h).to(tl.float32)
-        b_s = b_s * tl.exp(b_g)
-        b_delta = (b_v - tl.sum(b_s * b_k[:, None], axis=0)) * b_beta                          # [BV]
-        b_s = b_s + b_k[:, None] * b_delta[None, :]
-        b_o = tl.sum(b_s * b_q[:, None], axis=0)
+        b_s, b_o = delta_step(b_s, b_q, b_k, b_v, tl.load(G + t64 * stride_gt + i_h).to(tl.float32),
+                              tl.load(BETA + t64 * stride_bt + i_h).to(tl.float32))
         tl.store(O + t64 * stride_ot + i_h * stride_oh + o_v, b_o.to(O.dtype.element_ty), mask=m_v)
         # a tap after this token: its state to the tap's slot (branch-free: a masked store)
         hit = (t - start + 1) == next_n
@@ -124,7 +119,7 @@ def _recurrent(q, k, v, g, beta, o, pool, bounds: list[tuple[int, int]], slots: 
     g, beta = g.contiguous(), beta.contiguous()
     # the interpreter runs programs one after another, each op costing the same at any block size:
     # fewer, wider programs there
-    BLOCK_V = triton.next_power_of_2(DV) if INTERPRETING else min(32, triton.next_power_of_2(DV))
+    BLOCK_V = triton.next_power_of_2(DV) if interpreting() else min(32, triton.next_power_of_2(DV))
     _gdr_prefill[(N, Hv, triton.cdiv(DV, BLOCK_V))](
         q, k, v, g, beta, o, pool, starts, ends, torch.tensor(slots, dtype=torch.int32, device=dev),
         tap_lo, tap_n, tap_dst, DK ** -0.5,

@@ -59,6 +59,7 @@ class ForwardBatch:
     # pick: radixflow.kernels.dispatch)
     kernels: Kernels = REFERENCE
     _singles: tuple | None = None
+    _pieces: tuple | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -76,6 +77,16 @@ class ForwardBatch:
             taken = set(ones)
             self._singles = (ones, rows, [i for i in range(len(self.extend_lens)) if i not in taken])
         return self._singles
+
+    def prefill_pieces(self) -> tuple[list[tuple[int, int]], list[int], list[list[tuple[int, int]]]]:
+        """Hybrid prefill: the rows, state slots and checkpoint taps of the sequences that
+        single_rows leaves to the prefill kernels, as those take them. Once per batch (every
+        DeltaNet layer asks, twice), so the slots leave the device once."""
+        if self._pieces is None:
+            rest, bounds = self.single_rows()[2], self.bounds()
+            slots = self.state_slots[rest].tolist() if rest else []
+            self._pieces = ([bounds[i] for i in rest], slots, [self.taps.get(i, []) for i in rest])
+        return self._pieces
 
     def bounds(self) -> list[tuple[int, int]]:
         """[start, end) of each sequence's rows in the packed axis."""

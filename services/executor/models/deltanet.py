@@ -49,9 +49,7 @@ class GatedDeltaNet(nn.Module):
             if ones:   # one-token sequences (a mixed step's decode rows): batched, as in a decode step
                 out[rows] = batch.kernels.causal_conv1d_update_slots(mixed[rows], conv, self.conv_weight, slots[ones])
             if rest:
-                bounds = batch.bounds()
-                batch.kernels.causal_conv1d_prefill_slots(mixed, out, conv, self.conv_weight, [bounds[i] for i in rest],
-                                                          slots[rest].tolist(), [batch.taps.get(i, []) for i in rest])
+                batch.kernels.causal_conv1d_prefill_slots(mixed, out, conv, self.conv_weight, *batch.prefill_pieces())
             mixed = out
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, self.hk, self.dk)
@@ -70,9 +68,7 @@ class GatedDeltaNet(nn.Module):
                 o[rows] = batch.kernels.gated_delta_rule_decode_slots(q[rows], k[rows], v[rows], g[rows], beta[rows], rec,
                                                                         slots[ones])
             if rest:
-                bounds = batch.bounds()
-                batch.kernels.gated_delta_rule_prefill_slots(q, k, v, g, beta, o, rec, [bounds[i] for i in rest],
-                                                             slots[rest].tolist(), [batch.taps.get(i, []) for i in rest])
+                batch.kernels.gated_delta_rule_prefill_slots(q, k, v, g, beta, o, rec, *batch.prefill_pieces())
         o = self.norm(o, z.reshape(T, self.hv, self.dv))
         return self.out_proj(o.reshape(T, self.value_dim))
 
