@@ -47,7 +47,9 @@ class Route:
 
 
 def make_instance_id(service: str) -> str:
-    return f"{service}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+    # the id is a NATS subject token: a dotted host name (host.example.com) would split it
+    host = socket.gethostname().replace(".", "-").replace("*", "-").replace(">", "-") or "host"
+    return f"{service}-{host}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 class Actor:
@@ -66,6 +68,8 @@ class Actor:
         self.restarts = 0
         self.route(subjects.status(self.service), StatusRequest, self._on_status, queue=self.service)
         self.route(subjects.METRICS, StatusRequest, self._on_metrics)
+        # a watchdog that missed this instance's beats asks it directly before declaring it dead
+        self.route(subjects.ping(self.service, self.instance), StatusRequest, self._on_ping)
 
     # ------------------------------------------------------------ to override
 
@@ -194,6 +198,9 @@ class Actor:
 
     async def _on_status(self, _: StatusRequest) -> StatusReply:
         return StatusReply(service=self.service, instance=self.instance, ok=True, detail=self.status())
+
+    async def _on_ping(self, _: StatusRequest) -> StatusReply:
+        return StatusReply(service=self.service, instance=self.instance, ok=True)
 
     async def _on_metrics(self, _: StatusRequest) -> MetricsReply:
         samples = self.metrics()

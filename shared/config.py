@@ -41,6 +41,7 @@ class ExecutorConfig:
     max_model_len: int = 0            # 0 = the model's max_position_embeddings
     num_threads: int = 0              # torch intra-op threads; 0 = leave torch's default
     orphan_timeout_s: float = 3.5     # a request's scheduler silent this long: abort the request
+    radix_wait_s: float = 15.0        # radix unreachable (restarting): waiting requests wait this long, then fail
     state_slots: int = 0              # hybrid: DeltaNet state slots (0: 2 per running request + 64)
     checkpoint_interval: int = 0      # hybrid: checkpoint long prefills every this many tokens (0: at chunk boundaries)
     burst_gap_s: float = 0.002        # admission waits while requests keep arriving this close together

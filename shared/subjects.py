@@ -24,6 +24,7 @@
     rf.executor.<id>.hints         publish        CacheHints (programs: unpin fork points, demote lost branches)
     rf.scheduler.<id>.output       publish        StepOutput (executor -> the scheduler that submitted)
     rf.<service>.status            req/reply      StatusRequest -> StatusReply (any one instance answers)
+    rf.<service>.<id>.ping         req/reply      StatusRequest -> StatusReply (that instance: is it alive?)
     rf.heartbeat.<service>         publish        Heartbeat
 """
 from __future__ import annotations
@@ -53,6 +54,10 @@ def radix_step(pool: str) -> str:
 
 def status(service: str) -> str:
     return f"rf.{service}.status"
+
+
+def ping(service: str, instance: str) -> str:
+    return f"rf.{service}.{instance}.ping"
 
 
 def heartbeat(service: str) -> str:

@@ -159,6 +159,28 @@ class Batcher:
             self.waiting.remove(seq)
         seq.pages, seq.slots = [], None
 
+    def resend(self, msg: RadixStep) -> None:
+        """A message that did not get through: its releases, progress and hints go out again, first,
+        with the next one (radix takes a repeat as a no-op); its candidates are still waiting."""
+        self.releases = msg.releases + self.releases
+        self.progress = msg.progress + self.progress
+        self.unpins = msg.unpins + self.unpins
+        self.demotes = msg.demotes + self.demotes
+        self._retry = self._retry or bool(msg.candidates)
+
+    def rejoined(self, again: list[Sequence]) -> None:
+        """After registering again with a restarted authority: nothing owed to the old one is sent,
+        and `again` (running, but nothing computed of their own) wait for new grants, first."""
+        self.progress, self.releases, self.unpins, self.demotes = [], [], [], []
+        for seq in reversed(again):
+            self.running.remove(seq)
+            seq.status = Status.WAITING
+            seq.pages, seq.slots, seq.cached_len, seq.computed_len = [], None, 0, 0
+            seq.state_slot, seq.restore_slot, seq.tail_slot, seq.tail_pos = -1, -1, -1, 0
+            seq.state_ready, seq.checkpoints = False, {}
+            self.waiting.appendleft(seq)
+        self._retry = True
+
     def fail_all(self) -> list[Sequence]:
         """The authority lost our pages: everything in flight is lost with them."""
         lost = list(self.running) + list(self.waiting)

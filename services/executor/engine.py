@@ -14,10 +14,12 @@ import threading
 import time
 from dataclasses import dataclass
 
+import msgspec
+
 from radixflow.shared import log
-from radixflow.shared.errors import BadRequest, NotFound, RadixflowError
+from radixflow.shared.errors import BadRequest, NotFound, RadixflowError, RequestTimeout, ServiceUnavailable
 from radixflow.shared.histogram import Histogram
-from radixflow.shared.messages import CacheHints, ExecRequest, Progress, RadixRegister, SeqOutput
+from radixflow.shared.messages import CacheHints, ExecRequest, HeldPages, Progress, RadixRegister, SeqOutput
 
 from radixflow.services.radix.pool import pages_for
 from .batcher import Batcher, Plan, candidate_tokens
@@ -72,6 +74,8 @@ class EngineConfig:
     # the prefill of this many tokens (and a few decode steps) on scratch pages at start, so that the
     # first request does not pay first-call costs; 0: none
     warmup_tokens: int = 2048
+    # radix unreachable (restarting): waiting requests wait this long for it, then fail
+    radix_wait_s: float = 15.0
 
 
 class Engine:
@@ -108,6 +112,7 @@ class Engine:
         self._hints: list[CacheHints] = []
         self._live: dict[str, Sequence] = {}
         self._last_arrival = 0.0
+        self._radix_down_since = 0.0
         self.steps = 0
         self.mixed_steps = 0     # prefill steps that carried decode rows
         self.overlapped = 0      # exchanges that travelled while a step computed
@@ -297,14 +302,25 @@ class Engine:
         try:
             reply = reply_of()
         except NotFound:
-            # the authority restarted and forgot our pool: every page we hold may be handed out again
-            lost = self.batcher.fail_all()
-            self.pages.register(self._register)
-            return [self._error(s, 503, "the radix service restarted; the request's KV was lost") for s in lost]
+            return self._rejoin()
+        except (ServiceUnavailable, RequestTimeout) as e:
+            # radix is down or slow (a restart takes seconds): what the message said goes out again
+            # with the next one, and waiting requests wait, for up to radix_wait_s; then they fail
+            now = time.monotonic()
+            self._radix_down_since = self._radix_down_since or now
+            self.batcher.resend(msg)
+            if now - self._radix_down_since < self.cfg.radix_wait_s:
+                if not self.batcher.running:
+                    time.sleep(0.1)     # nothing to compute meanwhile: do not spin on a dead subject
+                return []
+            cands = {c.rid for c in msg.candidates}
+            lost = [s for s in self.batcher.waiting if s.rid in cands]
+            return [self._error(s, e.code, f"no KV pages: {e.message}") for s in lost]
         except RadixflowError as e:
             cands = {c.rid for c in msg.candidates}
             lost = [s for s in self.batcher.waiting if s.rid in cands]
             return [self._error(s, e.code, f"no KV pages: {e.message}") for s in lost]
+        self._radix_down_since = 0.0
         started = self.batcher.apply(reply.grants, retry=any(d.reason in ("budget", "shared-prefix")
                                                              for d in reply.deferred))
         now = time.monotonic()
@@ -315,6 +331,30 @@ class Engine:
             self.counters["prompt_tokens_total"] += s.prompt_len
             self.counters["cached_tokens_total"] += s.cached_len
             self.counters["requests_total"] += 1
+        return []
+
+    def _rejoin(self) -> list[tuple[str, SeqOutput]]:
+        """The authority restarted and forgot our pool. What our running requests hold is still here:
+        register again with it, so that they go on (the new authority caches their computed
+        prefixes anew and frees everything else). A request that has computed nothing of its own
+        yet leans on cached pages and a checkpoint that are forgotten now: it waits again."""
+        b = self.batcher
+        going = [s for s in b.running if s.computed_len > s.cached_len]
+        again = [s for s in b.running if s.computed_len <= s.cached_len]
+        held = [HeldPages(rid=s.rid, namespace=s.namespace, tokens=s.tokens[:s.prompt_len], pages=s.pages,
+                          computed=s.computed_len, quota_pages=s.quota_pages, state_slot=s.state_slot,
+                          tail_slot=s.tail_slot, checkpoints=list(s.checkpoints), checkpoint_slots=list(s.checkpoints.values()))
+                for s in going]
+        try:
+            self.pages.register(msgspec.structs.replace(self._register, held=held))
+        except RadixflowError as e:
+            _log.error("radix lost our pool and cannot take it back", error=e.message, requests=len(b.running))
+            lost = b.fail_all()
+            return [self._error(s, 503, f"the radix service restarted and lost the request's KV: {e.message}")
+                    for s in lost]
+        b.rejoined(again)
+        self._radix_down_since = 0.0
+        _log.warning("radix restarted: registered again", running=len(going), waiting_again=len(again))
         return []
 
     def _postprocess(self, plan: Plan, toks: dict[int, list[int]]) -> list[tuple[str, SeqOutput]]:

@@ -14,14 +14,15 @@ from collections.abc import Callable
 
 from radixflow.services.radix.pool import PagePool
 from radixflow.shared import subjects
-from radixflow.shared.errors import ServiceUnavailable
+from radixflow.shared.errors import NotFound, ServiceUnavailable
 from radixflow.shared.messages import RadixRegister, RadixRegistered, RadixStep, RadixStepReply
 
 
 class PageAuthority(ABC):
     @abstractmethod
     def register(self, msg: RadixRegister) -> None:
-        """(Re)create this executor's pool: every page and state slot free, nothing cached or held."""
+        """(Re)create this executor's pool: every page and state slot free but those `msg.held`
+        names, nothing cached but their computed prefixes."""
 
     @abstractmethod
     def step(self, msg: RadixStep) -> RadixStepReply:
@@ -50,8 +51,11 @@ class LocalPages(PageAuthority):
 
     def register(self, msg: RadixRegister) -> None:
         self.pool = PagePool(msg.num_pages, msg.page_size, msg.cache, msg.num_state_slots, msg.checkpoint_interval)
+        self.pool.adopt(msg.held)
 
     def step(self, msg: RadixStep) -> RadixStepReply:
+        if self.pool is None:     # forgotten, as a restarted radix service forgets (tests)
+            raise NotFound(f"unknown pool {msg.pool!r}: register first")
         return self.pool.step(msg)
 
     def stats(self) -> dict[str, int]:

@@ -66,7 +66,7 @@ class ExecutorService(Actor):
                             mixed_chunk_tokens=cfg.mixed_chunk_tokens,
                             disable_radix_cache=cfg.disable_radix_cache, pool=self.instance,
                             burst_gap_s=cfg.burst_gap_s, burst_wait_s=cfg.burst_wait_s,
-                            jump_forward=cfg.jump_forward, overlap=cfg.overlap,
+                            jump_forward=cfg.jump_forward, overlap=cfg.overlap, radix_wait_s=cfg.radix_wait_s,
                             state_slots=cfg.state_slots, checkpoint_interval=cfg.checkpoint_interval)
         loop = asyncio.get_running_loop()
         # the grammar engines' tokenizer state first (seconds at a 248k vocab): the Engine registers

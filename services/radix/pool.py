@@ -45,7 +45,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from radixflow.shared.messages import (Candidate, Deferred, Demote, Grant, Progress, RadixStep, RadixStepReply,
+from radixflow.shared.messages import (Candidate, Deferred, Demote, Grant, HeldPages, Progress, RadixStep, RadixStepReply,
                                        Release)
 
 from .tree import Evicted, Node, RadixTree, owner_of
@@ -139,6 +139,28 @@ class PagePool:
             return None
         return [self._free_states.pop() for _ in range(n)]
 
+    def adopt(self, held: list[HeldPages]) -> None:
+        """A fresh pool learns what an executor's running requests hold (radix restarted under
+        them): their pages and slots leave the free lists, and each request's computed prefix is
+        cached again and locked as if its progress had just arrived. The old tree's other pages and
+        checkpoints are forgotten: free. A prefix is resumable only from the checkpoints re-made
+        here (planned ones already computed, tails at release), never from a state it did not see."""
+        pages = {p for a in held for p in a.pages}
+        slots = {x for a in held for x in (a.state_slot, a.tail_slot, *a.checkpoint_slots) if x >= 0}
+        self._free = [p for p in self._free if p not in pages]
+        heapq.heapify(self._free)
+        self._free_states = [x for x in self._free_states if x not in slots]
+        for a in held:
+            h = Held(a.namespace, list(a.tokens), list(a.pages), self.tree.root(a.namespace), quota=a.quota_pages)
+            self.tree.lock(h.node)
+            if self.hybrid:
+                h.working, h.tail, h.planned = a.state_slot, a.tail_slot, dict(zip(a.checkpoints, a.checkpoint_slots))
+            self.held[a.rid] = h
+            if self.cache:
+                self._insert(h, a.computed)
+                if self.hybrid:
+                    self._attach_planned(h, a.computed)
+
     def _release_pages(self, pages: list[int]) -> None:
         for p in pages:
             heapq.heappush(self._free, p)
@@ -180,6 +202,11 @@ class PagePool:
 
     def admit(self, cands: list[Candidate], budget: int, max_admit: int) -> tuple[list[Grant], list[Deferred]]:
         """Longest usable cached prefix first (arrival order among equals), all-or-nothing per request."""
+        for c in cands:
+            if c.rid in self.held:
+                # asked again after its grant was lost on the way (a timed-out exchange): the lost
+                # grant's pages go back before it is granted anew
+                self.release(Release(rid=c.rid, output_ids=[], computed=0, discard=True))
         matches = []
         for c in cands:
             # at least the last prompt token is computed (its logits sample the first output token);

@@ -2,7 +2,9 @@
 A thin shell around one PagePool per executor (pool.py); an executor registers its pool, then
 sends one RadixStep per scheduling step. Pools of executors that stop beating are dropped.
 
-Run exactly one radix instance: the pools are its state."""
+Run exactly one radix instance: the pools are its state. A restarted instance knows no pool: each
+executor's next step gets NotFound, and the executor registers again with what its running
+requests hold (RadixRegister.held), so they go on; only the cached prefixes are lost."""
 from __future__ import annotations
 
 import asyncio
@@ -40,11 +42,12 @@ class RadixService(Actor):
     async def register(self, req: RadixRegister) -> RadixRegistered:
         if req.num_pages <= 0 or req.page_size <= 0:
             raise BadRequest("num_pages and page_size must be positive")
-        self.pools[req.pool] = PagePool(req.num_pages, req.page_size, req.cache, req.num_state_slots,
-                                        req.checkpoint_interval)
+        pool = PagePool(req.num_pages, req.page_size, req.cache, req.num_state_slots, req.checkpoint_interval)
+        pool.adopt(req.held)
+        self.pools[req.pool] = pool
         self.seen[req.pool] = time.monotonic()
         self.log.info("pool registered", pool=req.pool, pages=req.num_pages, page_size=req.page_size, cache=req.cache,
-                      state_slots=req.num_state_slots)
+                      state_slots=req.num_state_slots, adopted_requests=len(req.held))
         return RadixRegistered(pool=req.pool)
 
     async def step(self, req: RadixStep) -> RadixStepReply:

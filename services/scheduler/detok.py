@@ -20,6 +20,13 @@ from radixflow.shared.messages import DetokenizeReply, DetokenizeRequest, DetokI
 _log = log.get("scheduler")
 
 
+def _load_tokenizer(path: str):
+    # the import too belongs in the thread: transformers takes seconds to import, and on the event
+    # loop it silenced the scheduler long enough to declare every executor dead
+    from radixflow.services.tokenizer.tokenizer import Tokenizer
+    return Tokenizer(path)
+
+
 class Detokenizer:
     def __init__(self, bus, enabled: bool = True):
         self.bus = bus
@@ -34,9 +41,8 @@ class Detokenizer:
         self._loading = asyncio.get_running_loop().create_task(self._load(info))
 
     async def _load(self, info: TokenizerInfo) -> None:
-        from radixflow.services.tokenizer.tokenizer import Tokenizer
         try:
-            tok = await asyncio.get_running_loop().run_in_executor(None, Tokenizer, info.path)
+            tok = await asyncio.get_running_loop().run_in_executor(None, _load_tokenizer, info.path)
         except Exception as e:            # unreadable here after all: stay remote
             _log.info("detokenizing remotely", reason=f"{type(e).__name__}: {e}"[:200])
             return

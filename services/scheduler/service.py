@@ -23,7 +23,7 @@ from radixflow.shared.histogram import Histogram
 from radixflow.shared.messages import (AbortRequest, Accepted, Constraint,
                                        DetokItem, EncodeReply, EncodeRequest, ExecAccepted, ExecRequest, ExecutorInfo,
                                        GenerateRequest, GrammarCompile, GrammarCompiled, Heartbeat, ProgramQuery,
-                                       ProgramRequest, RadixPlace, RadixPlaceReply, Sample, StatusRequest, StepOutput,
+                                       ProgramRequest, RadixPlace, RadixPlaceReply, Sample, StatusReply, StatusRequest, StepOutput,
                                        StreamChunk, StreamError, TokenizerInfo, Usage)
 from radixflow.shared.validate import check_request
 
@@ -425,12 +425,27 @@ class SchedulerService(Actor):
 
     # ------------------------------------------------------------ watchdog
 
+    async def _answers(self, instance: str) -> bool:
+        try:
+            await self.bus.request(subjects.ping("executor", instance), StatusRequest(), StatusReply, timeout=1.0)
+            return True
+        except RadixflowError:
+            return False
+
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(min(0.5, self.cfg.executor_timeout_s / 4))
             now = time.monotonic()
-            for inst, st in list(self.executors.items()):
-                if now - st.last_seen > self.cfg.executor_timeout_s:
+            silent = [st for st in self.executors.values() if now - st.last_seen > self.cfg.executor_timeout_s]
+            # missed beats are not proof of death (this loop may have been the one that stalled):
+            # ask each silent executor directly; a killed one has no responder and fails at once
+            alive = await asyncio.gather(*(self._answers(st.instance) for st in silent))
+            now = time.monotonic()
+            for st, ok in zip(silent, alive):
+                inst = st.instance
+                if ok:
+                    st.last_seen = now
+                elif self.executors.get(inst) is st:
                     del self.executors[inst]
                     lost = self.table.on_executor(inst)
                     self.log.error("executor stopped responding", executor=inst, requests=len(lost))

@@ -7,15 +7,32 @@ from .base import Msg
 # ---------------------------------------------------------------- radix
 
 
+class HeldPages(Msg):
+    """What one running request holds, as its executor knows it (re-announced to a restarted radix)."""
+    rid: str
+    namespace: str
+    tokens: list[int]                 # its prompt
+    pages: list[int]                  # its page table
+    computed: int                     # tokens with KV (prompt and output)
+    quota_pages: int = 0
+    state_slot: int = -1              # hybrid: working and tail slots, planned checkpoints
+    tail_slot: int = -1
+    checkpoints: list[int] = []
+    checkpoint_slots: list[int] = []
+
+
 class RadixRegister(Msg):
     """An executor announces its pool; the radix service becomes the authority over its KV pages
-    and (hybrid models) its state slots."""
+    and (hybrid models) its state slots. After a radix restart the executor registers again with
+    what its running requests hold (`held`): those pages and slots are taken, their computed
+    prefixes cached anew, everything else is free."""
     pool: str
     num_pages: int
     page_size: int
     cache: bool = True                # False: --disable-radix-cache (pages are never shared)
     num_state_slots: int = 0          # > 0: a hybrid model; prefixes resume only from checkpoints
     checkpoint_interval: int = 0      # also checkpoint long prefills every this many tokens (0: off)
+    held: list[HeldPages] = []
 
 
 class RadixRegistered(Msg):

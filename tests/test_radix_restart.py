@@ -1,0 +1,97 @@
+"""A restarted radix service forgets every pool; the executors' running requests go on: each
+executor registers again with what they hold, and nothing leaks (issue 13)."""
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from radixflow.services.executor.engine import Engine, EngineConfig
+from radixflow.services.radix.pool import PagePool
+from radixflow.shared.messages import Candidate, HeldPages, Progress, RadixStep, Release
+
+from .test_engine import no_leak, prompt, req, run
+
+
+@pytest.fixture(scope="module", params=["tiny-dense", "tiny-hybrid"])
+def engine(request, models):
+    return Engine(EngineConfig(model=models[request.param], page_size=16, max_total_tokens=16384,
+                               max_running_requests=8, max_prefill_tokens=256, overlap=False))
+
+
+def _grant(pool, rid, toks, computed):
+    g = pool.step(RadixStep(pool="p", budget=100, max_admit=4, candidates=[
+        Candidate(rid=rid, namespace="n", token_ids=toks, reserve=4)])).grants[0]
+    pool.step(RadixStep(pool="p", budget=100, max_admit=4, progress=[Progress(rid=rid, computed=computed)]))
+    return g
+
+
+def _held(rid, toks, g, computed):
+    return HeldPages(rid=rid, namespace="n", tokens=toks, pages=g.pages, computed=computed, state_slot=g.state_slot,
+                     tail_slot=g.tail_slot, checkpoints=g.checkpoints, checkpoint_slots=g.checkpoint_slots)
+
+
+def _idle(pool) -> bool:
+    st = pool.stats()
+    return (st["requests_held"] == 0 and st["kv_pages_free"] + st["kv_pages_cached"] == st["kv_pages_total"]
+            and st.get("state_slots_used", 0) == st.get("state_slots_cached", 0))
+
+
+def test_adopt_takes_the_held_pages_and_caches_their_prefixes():
+    old = PagePool(64, 4)
+    a, b = [5] * 10 + [6, 7], [5] * 10 + [8, 9]          # share two pages and a half
+    ga = _grant(old, "a", a, len(a))
+    gb = _grant(old, "b", b, 9)
+    assert gb.pages[:2] == ga.pages[:2]                  # b reuses a's first two pages
+    new = PagePool(64, 4)
+    new.adopt([_held("a", a, ga, len(a) + 2), _held("b", b, gb, 9)])
+    assert new.free_pages == 64 - len(set(ga.pages) | set(gb.pages))
+    assert new.tree.cached_pages == 3 and new.tree.evictable_pages == 0   # a's three pages, locked while they run
+    assert new.match_len("n", a + [1]) == 12
+    for rid, n in (("a", len(a) + 2), ("b", 9)):
+        new.step(RadixStep(pool="p", budget=0, max_admit=0, releases=[Release(rid=rid, output_ids=[1, 2], computed=n)]))
+    assert _idle(new)
+
+
+def test_adopt_in_a_hybrid_pool_keeps_slots_and_resumes_only_from_new_checkpoints():
+    old = PagePool(64, 4, num_state_slots=8)
+    a = list(range(3, 15))
+    ga = _grant(old, "a", a, len(a))                     # its planned checkpoint at 12 is computed
+    new = PagePool(64, 4, num_state_slots=8)
+    new.adopt([_held("a", a, ga, len(a))])
+    st = new.stats()
+    assert st["state_slots_used"] == 2 + len(ga.checkpoints) and st["state_slots_cached"] == len(ga.checkpoints)
+    assert new.match_len("n", a + [1]) == 12             # resumable where the checkpoint was re-made
+    new.step(RadixStep(pool="p", budget=0, max_admit=0, releases=[Release(rid="a", output_ids=[], computed=len(a))]))
+    assert _idle(new)
+
+
+def test_a_candidate_asked_again_after_a_lost_grant_does_not_leak():
+    pool = PagePool(32, 4)
+    c = Candidate(rid="x", namespace="n", token_ids=list(range(10)), reserve=2)
+    pool.step(RadixStep(pool="p", budget=100, max_admit=4, candidates=[c]))
+    used = 32 - pool.free_pages
+    pool.step(RadixStep(pool="p", budget=100, max_admit=4, candidates=[c]))   # the reply was lost: again
+    assert 32 - pool.free_pages == used and len(pool.held) == 1
+
+
+def test_running_requests_survive_a_radix_restart(engine):
+    ids = {f"r{i}": prompt(100 + i, 40 + 150 * i) for i in range(4)}      # 40 .. 490 tokens: some prefill in chunks
+    reqs = lambda ns: [msgspec.structs.replace(req(r, p, max_new_tokens=6 + 4 * i, ignore_eos=True), namespace=ns)
+                       for i, (r, p) in enumerate(ids.items())]
+    want, _, _ = run(engine, reqs("first"))
+
+    for r in reqs("second"):      # nothing cached: the long prompts prefill in chunks, with progress
+        engine.add(r)
+    out: dict[str, list[int]] = {}
+    forgot, start = 0, engine.steps
+    while engine.has_work():
+        if engine.steps == start + 1 and not forgot:
+            # mid-flight: some requests decode, some prefill, one may not have started
+            assert engine.num_running > 0
+            engine.pages.pool = None          # the authority restarted: our pool is gone
+            forgot = 1
+        for _, o in engine.step():
+            assert not o.error, o.error
+            out.setdefault(o.rid, []).extend(o.token_ids)
+    assert forgot and out == want
+    assert no_leak(engine)
