@@ -44,6 +44,9 @@ class Route:
     queue: str = ""
     ordered: bool = False
     mailbox: asyncio.Queue | None = None
+    # kept while draining: what in-flight work still needs (outputs, aborts, peers' heartbeats);
+    # the rest (new work) is unsubscribed first
+    drain_last: bool = False
 
 
 def make_instance_id(service: str) -> str:
@@ -61,7 +64,7 @@ class Actor:
         self.instance = instance or make_instance_id(self.service)
         self.log = log.get(self.service).bind(instance=self.instance)
         self._routes: list[Route] = []
-        self._subs: list[Subscription] = []
+        self._subs: list[tuple[Route, Subscription]] = []
         self._mailbox: asyncio.Queue[tuple[Route, NatsMsg]] = asyncio.Queue()
         self._loops: dict[str, asyncio.Task] = {}
         self._started = False
@@ -69,7 +72,7 @@ class Actor:
         self.route(subjects.status(self.service), StatusRequest, self._on_status, queue=self.service)
         self.route(subjects.METRICS, StatusRequest, self._on_metrics)
         # a watchdog that missed this instance's beats asks it directly before declaring it dead
-        self.route(subjects.ping(self.service, self.instance), StatusRequest, self._on_ping)
+        self.route(subjects.ping(self.service, self.instance), StatusRequest, self._on_ping, drain_last=True)
 
     # ------------------------------------------------------------ to override
 
@@ -94,10 +97,12 @@ class Actor:
 
     # ------------------------------------------------------------ wiring
 
-    def route(self, subject: str, msg_type: Any, fn: Handler, *, queue: str = "", ordered: bool = False) -> None:
+    def route(self, subject: str, msg_type: Any, fn: Handler, *, queue: str = "", ordered: bool = False,
+              drain_last: bool = False) -> None:
         if self._started:
             raise RuntimeError("routes are registered before start()")
-        self._routes.append(Route(subject, msg_type, fn, queue, ordered, asyncio.Queue() if ordered else None))
+        self._routes.append(Route(subject, msg_type, fn, queue, ordered, asyncio.Queue() if ordered else None,
+                                  drain_last))
 
     def spawn(self, name: str, factory: Callable[[], Awaitable[None]]) -> None:
         """Run factory() as a supervised loop: restarted (and logged) if it crashes."""
@@ -125,18 +130,14 @@ class Actor:
         for r in self._routes:
             if r.ordered:
                 self.spawn(f"ordered:{r.subject}", lambda q=r.mailbox: self._work(q))
-            self._subs.append(await self.bus.subscribe(r.subject, self._intake(r), queue=r.queue))
+            self._subs.append((r, await self.bus.subscribe(r.subject, self._intake(r), queue=r.queue)))
         self.spawn("heartbeat", self._heartbeat)
         self.log.info("started", routes=[r.subject for r in self._routes])
 
     async def drain(self, timeout_s: float | None = None) -> None:
-        """Stop taking new messages, then wait (bounded) until every accepted one is handled."""
-        for s in self._subs:
-            try:
-                await s.unsubscribe()
-            except Exception:  # connection already gone: nothing more will arrive anyway
-                pass
-        self._subs.clear()
+        """Stop taking new work, then wait (bounded) until every accepted piece is done; the routes
+        that in-flight work still needs (drain_last) go last."""
+        await self._unsubscribe(lambda r: not r.drain_last)
         timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
         queues = [self._mailbox] + [r.mailbox for r in self._routes if r.mailbox is not None]
         try:
@@ -144,6 +145,19 @@ class Actor:
             await asyncio.wait_for(self.on_drain(), timeout_s)
         except asyncio.TimeoutError:
             self.log.warning("drain timed out", timeout_s=timeout_s)
+        await self._unsubscribe(lambda r: True)
+
+    async def _unsubscribe(self, which: Callable[[Route], bool]) -> None:
+        keep = []
+        for r, s in self._subs:
+            if not which(r):
+                keep.append((r, s))
+                continue
+            try:
+                await s.unsubscribe()
+            except Exception:  # connection already gone: nothing more will arrive anyway
+                pass
+        self._subs = keep
 
     async def stop(self) -> None:
         for t in self._loops.values():

@@ -74,6 +74,7 @@ class GatewayConfig:
     auth_file: str = ""               # keys, tenants, groups, roles, limits (JSON or TOML; gateway/auth.py)
     scheduler_timeout_s: float = 3.5  # no scheduler heartbeat for this long: 503 for in-flight streams
     health_timeout_s: float = 2.0
+    reuse_port: bool = False          # several gateway processes on one port (SO_REUSEPORT; `up --processes`)
 
 
 @dataclass(frozen=True)

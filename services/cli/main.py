@@ -1,6 +1,7 @@
 """The `radixflow` command.
 
     radixflow up [--model DIR] [--port 8000] [--nats-url URL] ...   every service in one process
+    radixflow up --processes [--executors N] ...                     every service in its own process
     radixflow service NAME --nats-url URL [--model DIR] ...          one service
     radixflow make-model PRESET DIR [--tokenizer qwen3.5]            a tiny HF checkpoint (tiny-dense, tiny-hybrid)
     radixflow schemas [--check]                                      write (or check) schemas/*.json
@@ -82,7 +83,32 @@ def _overrides(a: argparse.Namespace) -> dict:
                 gr_backend=a.grammar_backend)
 
 
+def _passthrough(argv: list[str]) -> tuple[str, ...]:
+    """The serving flags of an `up --processes` command line, for every `radixflow service`."""
+    out, skip = [], False
+    own = {"--processes", "--executors", "--schedulers", "--tokenizers", "--gateways", "--grammars", "--nats-url",
+           "--model", "--host", "--port", "--log-dir", "up"}
+    for i, x in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        key = x.split("=", 1)[0]
+        if key in own:
+            skip = "=" not in x and key not in ("--processes", "up") and i + 1 < len(argv)
+            continue
+        out.append(x)
+    return tuple(out)
+
+
 def cmd_up(a: argparse.Namespace) -> int:
+    if a.processes:
+        from radixflow.services.cluster import Cluster, ClusterConfig
+        counts = {"executor": a.executors, "scheduler": a.schedulers, "tokenizer": a.tokenizers,
+                  "gateway": a.gateways, "grammar": a.grammars}
+        Cluster(ClusterConfig(model=a.model or default_model(), nats_url=a.nats_url or "", host=a.host or "127.0.0.1",
+                              port=a.port or 8000, counts=counts, args=_passthrough(a.argv), log_dir=a.log_dir or "")
+                ).run_until_signal()
+        return 0
     from radixflow.services.stack import Stack, run_until_signal, stack_config
     from radixflow.shared.natsd import NatsServer
     model = a.model or default_model()
@@ -234,6 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("up", help="run every service in one process (embedded nats-server unless --nats-url)")
     _serving_args(p)
     p.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
+    p.add_argument("--processes", action="store_true",
+                   help="every service in its own OS process (restarted if it exits), against one NATS server")
+    p.add_argument("--executors", type=int, default=1, help="--processes: executor processes, each with its own pool")
+    p.add_argument("--schedulers", type=int, default=1, help="--processes: scheduler processes (a queue group)")
+    p.add_argument("--tokenizers", type=int, default=1, help="--processes: tokenizer processes (a queue group)")
+    p.add_argument("--grammars", type=int, default=1, help="--processes: grammar compiler processes (a queue group)")
+    p.add_argument("--gateways", type=int, default=1, help="--processes: gateway processes sharing the HTTP port")
+    p.add_argument("--log-dir", default=None, help="--processes: one log file per process here (default: this terminal)")
     p.set_defaults(fn=cmd_up)
     p = sub.add_parser("service", help="run one service against a NATS server")
     p.add_argument("name", help="gateway | tokenizer | grammar | radix | scheduler | executor")
@@ -307,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="kernels: run on the CPU in Triton's interpreter at toy sizes (checks, times nothing)")
     p.set_defaults(fn=cmd_bench)
     a = ap.parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
     return a.fn(a)
 
 

@@ -46,10 +46,11 @@ class ExecutorService(Actor):
         self._outbox: asyncio.Queue[list[tuple[str, SeqOutput]]] = asyncio.Queue()
         self.model_name = config.served_model_name or os.path.basename(os.path.normpath(config.model))
         self.route(subjects.executor_submit(self.instance), ExecRequest, self.submit)
-        self.route(subjects.executor_abort(self.instance), AbortRequest, self.abort)
-        self.route(subjects.executor_hints(self.instance), CacheHints, self.hints)
-        self.route(subjects.heartbeat("scheduler"), Heartbeat, self.on_scheduler_heartbeat)
-        self.route(subjects.MEMORY, StatusRequest, self.memory)
+        self.route(subjects.executor_abort(self.instance), AbortRequest, self.abort, drain_last=True)
+        self.route(subjects.executor_hints(self.instance), CacheHints, self.hints, drain_last=True)
+        self.route(subjects.heartbeat("scheduler"), Heartbeat, self.on_scheduler_heartbeat, drain_last=True)
+        self.route(subjects.MEMORY, StatusRequest, self.memory, drain_last=True)
+        self.draining = False
         self._owner: dict[str, str] = {}            # rid -> output subject (its scheduler)
         self._subject_seen: dict[str, float] = {}   # output subject -> last heartbeat of its scheduler
 
@@ -92,6 +93,18 @@ class ExecutorService(Actor):
             if gain >= 1.5:
                 self.log.info("this CPU multiplies bf16 natively: --dtype bfloat16 serves faster, at bf16 precision",
                               bf16_matmul_speedup=round(gain, 2))
+
+    async def drain(self, timeout_s: float | None = None) -> None:
+        # schedulers stop placing here first (the flag rides a beat sent now); what they sent
+        # meanwhile is still taken, then intake closes and the running requests finish
+        self.draining = True
+        try:
+            await self.bus.publish(subjects.heartbeat(self.service), Heartbeat(
+                service=self.service, instance=self.instance, ts=time.time(), detail=self.heartbeat_detail()))
+        except Exception:  # disconnected: the schedulers find out from the missing beats
+            pass
+        await asyncio.sleep(min(0.5, 2 * self.config.heartbeat_s))
+        await super().drain(timeout_s)
 
     async def on_drain(self) -> None:
         while self.engine is not None and self.engine.has_work():
@@ -181,7 +194,8 @@ class ExecutorService(Actor):
         e = self.engine
         return ExecutorInfo(model=self.model_name, max_model_len=e.max_model_len if e else 0,
                             vocab_size=e.spec.vocab_size if e else 0, running=e.num_running if e else 0,
-                            waiting=e.num_waiting if e else 0, page_size=e.page_size if e else self.cfg.page_size)
+                            waiting=e.num_waiting if e else 0, page_size=e.page_size if e else self.cfg.page_size,
+                            draining=self.draining)
 
     def heartbeat_detail(self) -> dict:
         import msgspec

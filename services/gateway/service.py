@@ -28,8 +28,8 @@ class GatewayService(Actor):
         self._runner: web.AppRunner | None = None
         self._inflight = 0
         self.port = config.port
-        self.route(subjects.heartbeat("scheduler"), Heartbeat, self.client.on_heartbeat)
-        self.route(subjects.heartbeat("executor"), Heartbeat, self.client.on_heartbeat)
+        self.route(subjects.heartbeat("scheduler"), Heartbeat, self.client.on_heartbeat, drain_last=True)
+        self.route(subjects.heartbeat("executor"), Heartbeat, self.client.on_heartbeat, drain_last=True)
 
         @web.middleware
         async def count(request, handler):
@@ -44,7 +44,7 @@ class GatewayService(Actor):
         self.spawn("watch", self.client.watch)
         self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, reuse_port=self.cfg.reuse_port or None)
         await site.start()
         self.port = self._runner.addresses[0][1]
         self.log.info("http listening", host=self.cfg.host, port=self.port)

@@ -54,6 +54,7 @@ class SchedulerService(Actor):
         self.executors: dict[str, ExecutorState] = {}
         self.siblings: dict[str, Siblings] = {}     # rid of a request with n > 1 -> its children
         self.resampled_total = 0                    # structured outputs sampled again after a failed check
+        self.retried_total = 0                      # requests moved off a dead executor before their first token
         self.tenants = TenantLedger()
         # latency as clients see it, up to this service: from acceptance to the first output, between
         # outputs (per token), to the end
@@ -64,15 +65,16 @@ class SchedulerService(Actor):
         self.detok = Detokenizer(bus, config.local_detokenize)
         self.output_subject = subjects.scheduler_output(self.instance)
         self.route(subjects.SCHEDULER_SUBMIT, GenerateRequest, self.submit, queue="scheduler")
-        self.route(subjects.SCHEDULER_ABORT, AbortRequest, self.abort)
-        self.route(subjects.heartbeat("executor"), Heartbeat, self.on_executor_heartbeat)
-        self.route(self.output_subject, StepOutput, self.on_output, ordered=True)
+        # while draining, the requests in flight still need their executors' outputs and beats
+        self.route(subjects.SCHEDULER_ABORT, AbortRequest, self.abort, drain_last=True)
+        self.route(subjects.heartbeat("executor"), Heartbeat, self.on_executor_heartbeat, drain_last=True)
+        self.route(self.output_subject, StepOutput, self.on_output, ordered=True, drain_last=True)
         self.programs = ProgramDriver(self)
         self.route(subjects.SCHEDULER_PROGRAM, ProgramRequest, self.programs.submit, queue="scheduler")
         self.route(subjects.PROGRAM_GET, ProgramQuery, self.programs.get_if_owner)
         self.route(subjects.PROGRAM_CANCEL, ProgramQuery, self.programs.cancel_if_owner)
-        self.route(subjects.program_op(self.instance, "get"), ProgramQuery, self.programs.get)
-        self.route(subjects.program_op(self.instance, "cancel"), ProgramQuery, self.programs.cancel)
+        self.route(subjects.program_op(self.instance, "get"), ProgramQuery, self.programs.get, drain_last=True)
+        self.route(subjects.program_op(self.instance, "cancel"), ProgramQuery, self.programs.cancel, drain_last=True)
 
     async def on_start(self) -> None:
         self.spawn("watchdog", self._watchdog)
@@ -87,7 +89,8 @@ class SchedulerService(Actor):
 
     def metrics(self) -> list[Sample]:
         return [Sample(name="requests_inflight", value=len(self.table)),
-                Sample(name="structured_resamples_total", value=self.resampled_total)] + self.programs.metrics() \
+                Sample(name="structured_resamples_total", value=self.resampled_total),
+                Sample(name="requests_retried_total", value=self.retried_total)] + self.programs.metrics() \
             + self.tenants.samples() + self.ttft.samples() + self.itl.samples() + self.e2e.samples()
 
     # ------------------------------------------------------------ executors
@@ -105,7 +108,7 @@ class SchedulerService(Actor):
             st.last_seen, st.info = time.monotonic(), info
 
     def live_executors(self) -> list[ExecutorState]:
-        live = [e for e in self.executors.values() if e.info.max_model_len > 0]
+        live = [e for e in self.executors.values() if e.info.max_model_len > 0 and not e.info.draining]
         if not live:
             raise ServiceUnavailable("no executor is available")
         return live
@@ -425,6 +428,27 @@ class SchedulerService(Actor):
 
     # ------------------------------------------------------------ watchdog
 
+    async def _rescue(self, t: Tracked) -> bool:
+        """A request of a dead executor that has streamed nothing yet starts over on another one
+        (the client sees only a later first token). False: it cannot (something was streamed, it
+        belongs to a program or a group of siblings, or no other executor takes it)."""
+        if t.output_ids or t.next_seq or t.sink is not None or t.exec_req is None or t.exec_req.after:
+            return False
+        others = [e for e in self.executors.values() if e.info.max_model_len > 0 and not e.info.draining]
+        if not others:
+            return False
+        ex = await self.place(others, t.exec_req.namespace, t.exec_req.input_ids)
+        t.executor = ex.instance
+        ex.inflight += 1
+        try:
+            await self.bus.request(subjects.executor_submit(ex.instance), t.exec_req, ExecAccepted, timeout=40)
+        except RadixflowError as e:
+            self.log.warning("retry on another executor failed", rid=t.rid, executor=ex.instance, error=e.message)
+            return False
+        self.retried_total += 1
+        self.log.info("request moved to another executor", rid=t.rid, executor=ex.instance)
+        return True
+
     async def _answers(self, instance: str) -> bool:
         try:
             await self.bus.request(subjects.ping("executor", instance), StatusRequest(), StatusReply, timeout=1.0)
@@ -450,8 +474,9 @@ class SchedulerService(Actor):
                     lost = self.table.on_executor(inst)
                     self.log.error("executor stopped responding", executor=inst, requests=len(lost))
                     for t in lost:
-                        await self._fail(t, 503, "service_unavailable",
-                                         f"executor {inst} stopped responding; the request was lost")
+                        if not await self._rescue(t):
+                            await self._fail(t, 503, "service_unavailable",
+                                             f"executor {inst} stopped responding; the request was lost")
             await self.programs.expire(now)
             for t in self.table.expired(now):
                 await self._fail(t, 504, "timeout", f"request did not finish within {self.cfg.request_timeout_s:g}s",

@@ -228,6 +228,7 @@ class ExecutorInfo(Msg):
     running: int
     waiting: int
     page_size: int = 16
+    draining: bool = False            # shutting down: finishes what it has, takes nothing new
 
 
 # ---------------------------------------------------------------- grammar
