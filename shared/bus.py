@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -22,7 +23,8 @@ from nats.aio.subscription import Subscription
 
 from . import log, messages, subjects
 from .config import BusConfig
-from .errors import PayloadTooLarge, RadixflowError, RequestTimeout, ServiceUnavailable, StreamGap, from_reply
+from .errors import (PayloadTooLarge, RadixflowError, RequestLost, RequestTimeout, ServiceUnavailable, StreamGap,
+                     from_reply)
 from .messages import ErrorReply, Msg, ProgramEvent, StreamChunk, StreamError
 
 T = TypeVar("T")
@@ -38,6 +40,12 @@ class Bus:
         self.config = config
         self._nc: nats.NATS | None = None
         self._closing = False
+        # NATS core delivers at most once: a message in flight when the connection drops is gone.
+        # Requests waiting then learn it from this (re-sent if idempotent, else failed at once),
+        # and watchdogs do not count beats missed while this process itself was cut off.
+        self.reconnects = 0
+        self._up_since = 0.0
+        self._reconnected: asyncio.Event | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -52,6 +60,8 @@ class Bus:
                     reconnect_time_wait=self.config.reconnect_wait_s, connect_timeout=2,
                     allow_reconnect=True, error_cb=self._on_error,
                     disconnected_cb=self._on_disconnect, reconnected_cb=self._on_reconnect)
+                self._up_since = time.monotonic()
+                self._reconnected = asyncio.Event()
                 return
             except (OSError, nats.errors.Error, asyncio.TimeoutError) as e:
                 if asyncio.get_running_loop().time() > deadline:
@@ -76,6 +86,15 @@ class Bus:
 
     async def _on_reconnect(self) -> None:
         _log.info("nats reconnected", client=self.name)
+        self.reconnects += 1
+        self._up_since = time.monotonic()
+        if self._reconnected is not None:
+            self._reconnected.set()
+            self._reconnected = asyncio.Event()
+
+    def settled(self, grace_s: float) -> bool:
+        """Connected, and for at least `grace_s`: silence from peers means something only then."""
+        return self._nc is not None and self._nc.is_connected and time.monotonic() - self._up_since >= grace_s
 
     @property
     def nc(self) -> nats.NATS:
@@ -102,16 +121,37 @@ class Bus:
         """`as_json`: for a public-API client that asked for JSON (see messages.JSON)."""
         await self.nc.publish(subject, self._encode(msg, subject, as_json))
 
-    async def request(self, subject: str, msg: Msg, reply: Any, *, timeout: float | None = None) -> Any:
-        """Send `msg` and decode the answer as `reply`; an ErrorReply raises the typed error."""
+    async def request(self, subject: str, msg: Msg, reply: Any, *, timeout: float | None = None,
+                      idempotent: bool = False) -> Any:
+        """Send `msg` and decode the answer as `reply`; an ErrorReply raises the typed error.
+        If the connection drops and comes back while waiting, the request or its answer may be
+        lost: an `idempotent` request is sent again, any other fails at once (RequestLost)."""
         data = self._encode(msg, subject)
         timeout = self.config.request_timeout_s if timeout is None else timeout
-        try:
-            resp = await self.nc.request(subject, data, timeout=timeout)
-        except nats.errors.NoRespondersError:
-            raise ServiceUnavailable(f"no service answers on {subject}") from None
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
-            raise RequestTimeout(f"no answer on {subject} within {timeout:g}s") from None
+        deadline = time.monotonic() + timeout
+        while True:
+            left = max(deadline - time.monotonic(), 0.001)
+            reconnected = self._reconnected
+            ask = asyncio.ensure_future(self.nc.request(subject, data, timeout=left))
+            if reconnected is None:
+                await asyncio.wait([ask])
+            else:
+                gone = asyncio.ensure_future(reconnected.wait())
+                await asyncio.wait([ask, gone], return_when=asyncio.FIRST_COMPLETED)
+                gone.cancel()
+            if not ask.done():
+                ask.cancel()
+                if idempotent and time.monotonic() < deadline:
+                    continue
+                raise RequestLost(f"the connection to NATS dropped while waiting on {subject}; the request "
+                                  "or its answer may be lost")
+            try:
+                resp = ask.result()
+            except nats.errors.NoRespondersError:
+                raise ServiceUnavailable(f"no service answers on {subject}") from None
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                raise RequestTimeout(f"no answer on {subject} within {timeout:g}s") from None
+            break
         out = messages.decode(resp.data, reply | ErrorReply)
         if isinstance(out, ErrorReply):
             raise from_reply(out)
@@ -189,9 +229,12 @@ class InboxStream:
         self._sub: Subscription | None = None
         self._next_seq = 0
         self._done = False
+        self.heard_at = time.monotonic()     # the latest item (or the opening)
+        self.probed_at = 0.0
 
     async def __aenter__(self) -> "InboxStream":
         async def on_msg(m: NatsMsg) -> None:
+            self.heard_at = time.monotonic()
             self._queue.put_nowait(m.data)
         self._sub = await self.bus.subscribe(self.subject, on_msg)
         return self

@@ -61,6 +61,8 @@ class SchedulerConfig:
     max_program_nodes: int = 1024     # programs: more nodes is a 400
     max_program_tokens: int = 2_000_000   # programs: own text plus generation budget of every node
     local_detokenize: bool = True     # decode outputs in process when the model's tokenizer is readable here
+    stall_check_s: float = 5.0        # a request silent this long: ask its executor whether it still runs it
+                                      # (an output lost to a NATS reconnect ends it with a clear error)
     max_resamples: int = 3            # structured output: a finished output that fails its check is
                                       # sampled again (new seed) up to this many times, then a clear error
 
@@ -74,6 +76,7 @@ class GatewayConfig:
     auth_file: str = ""               # keys, tenants, groups, roles, limits (JSON or TOML; gateway/auth.py)
     scheduler_timeout_s: float = 3.5  # no scheduler heartbeat for this long: 503 for in-flight streams
     health_timeout_s: float = 2.0
+    stall_check_s: float = 5.0        # a stream silent this long: ask its scheduler whether it still runs it
     reuse_port: bool = False          # several gateway processes on one port (SO_REUSEPORT; `up --processes`)
 
 

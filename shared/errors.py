@@ -52,6 +52,10 @@ class ServiceUnavailable(RadixflowError):
     kind = "service_unavailable"
 
 
+class RequestLost(ServiceUnavailable):
+    """The NATS connection dropped while a request waited: it or its answer may be lost."""
+
+
 class RequestTimeout(RadixflowError):
     code = 504
     kind = "timeout"

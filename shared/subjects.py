@@ -25,6 +25,8 @@
     rf.scheduler.<id>.output       publish        StepOutput (executor -> the scheduler that submitted)
     rf.<service>.status            req/reply      StatusRequest -> StatusReply (any one instance answers)
     rf.<service>.<id>.ping         req/reply      StatusRequest -> StatusReply (that instance: is it alive?)
+    rf.executor.<id>.live          req/reply      LiveQuery -> LiveReply (which of these requests it still runs)
+    rf.scheduler.<id>.live         req/reply      LiveQuery -> LiveReply (which of these requests, programs it owns)
     rf.heartbeat.<service>         publish        Heartbeat
 """
 from __future__ import annotations
@@ -58,6 +60,10 @@ def status(service: str) -> str:
 
 def ping(service: str, instance: str) -> str:
     return f"rf.{service}.{instance}.ping"
+
+
+def live(service: str, instance: str) -> str:
+    return f"rf.{service}.{instance}.live"
 
 
 def heartbeat(service: str) -> str:

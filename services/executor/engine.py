@@ -423,7 +423,7 @@ class Engine:
     def _output(self, seq: Sequence, new: list[int]) -> tuple[str, SeqOutput]:
         # `new` is always output_ids[reported:reported + len(new)]: the logprobs of the same tokens
         start, seq.reported = seq.reported, seq.reported + len(new)
-        return seq.output_subject, SeqOutput(rid=seq.rid, token_ids=new, prompt_tokens=seq.prompt_len,
+        return seq.output_subject, SeqOutput(rid=seq.rid, token_ids=new, offset=start, prompt_tokens=seq.prompt_len,
                                              cached_tokens=seq.cached_len,
                                              logprobs=seq.logprobs[start:seq.reported],
                                              top_logprobs=seq.top_logprobs[start:seq.reported])

@@ -39,7 +39,8 @@ class GrammarStore:
         return await asyncio.shield(fut)
 
     async def _fetch(self, key: str) -> Grammar:
-        blob = await self.bus.request(subjects.GRAMMAR_FETCH, GrammarFetch(key=key), GrammarBlob, timeout=30)
+        blob = await self.bus.request(subjects.GRAMMAR_FETCH, GrammarFetch(key=key), GrammarBlob, timeout=30,
+                                      idempotent=True)
         self.fetches += 1
         backend = self.backends.get(blob.backend)
         if backend is None:

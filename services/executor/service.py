@@ -23,13 +23,16 @@ from radixflow.shared import subjects
 from radixflow.shared.actor import Actor
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import ExecutorConfig, ServiceConfig
-from radixflow.shared.messages import (AbortRequest, CacheHints, ExecAccepted, ExecRequest, ExecutorInfo, Heartbeat, MemoryReply,
-                                       Sample, SeqOutput, StatusRequest, StepOutput)
+from radixflow.shared.messages import (AbortRequest, CacheHints, ExecAccepted, ExecRequest, ExecutorInfo, Heartbeat,
+                                       LiveQuery, LiveReply, MemoryReply, Sample, SeqOutput, StatusRequest, StepOutput)
 
 from .engine import Engine, EngineConfig
 from .grammars import GrammarStore
 from .memory import realized
 from .pages import RemotePages
+
+
+ENDED_KEEP_S = 5.0    # a request whose end was published this recently still counts as known (LiveQuery)
 
 
 class ExecutorService(Actor):
@@ -50,6 +53,8 @@ class ExecutorService(Actor):
         self.route(subjects.executor_hints(self.instance), CacheHints, self.hints, drain_last=True)
         self.route(subjects.heartbeat("scheduler"), Heartbeat, self.on_scheduler_heartbeat, drain_last=True)
         self.route(subjects.MEMORY, StatusRequest, self.memory, drain_last=True)
+        self.route(subjects.live(self.service, self.instance), LiveQuery, self.live, drain_last=True)
+        self._ended: dict[str, float] = {}          # rid -> when its last output was published
         self.draining = False
         self._owner: dict[str, str] = {}            # rid -> output subject (its scheduler)
         self._subject_seen: dict[str, float] = {}   # output subject -> last heartbeat of its scheduler
@@ -158,6 +163,20 @@ class ExecutorService(Actor):
             finally:
                 self._outbox.task_done()
 
+    async def live(self, q: LiveQuery) -> LiveReply:
+        """The asked requests this executor still has, or whose end it published moments ago (that
+        output may still be on its way)."""
+        e = self.engine
+        self._prune_ended()
+        with e._lock:
+            known = set(e._live) | {s.rid for s in e._new}
+        return LiveReply(rids=[r for r in q.rids if r in known or r in self._ended])
+
+    def _prune_ended(self) -> None:
+        now = time.monotonic()
+        for rid in [r for r, t in self._ended.items() if now - t > ENDED_KEEP_S]:
+            del self._ended[rid]
+
     async def memory(self, _: StatusRequest) -> MemoryReply:
         r = self.engine.runner
         return MemoryReply(instance=self.instance, model=self.model_name, report=realized(r.spec, r.plan))
@@ -169,7 +188,10 @@ class ExecutorService(Actor):
         """Abort the requests of schedulers that stopped beating."""
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
+            self._prune_ended()
             now = time.monotonic()
+            if not self.bus.settled(self.cfg.orphan_timeout_s):
+                continue     # cut off from NATS ourselves: the beats we missed say nothing
             dead = {s for s, t in self._subject_seen.items() if now - t > self.cfg.orphan_timeout_s}
             orphans = [rid for rid, s in self._owner.items() if s in dead]
             if orphans:
@@ -186,6 +208,7 @@ class ExecutorService(Actor):
             by_subject[subject].append(o)
             if o.finished:
                 self._owner.pop(o.rid, None)
+                self._ended[o.rid] = time.monotonic()
         for subject, items in by_subject.items():
             if subject:
                 await self.bus.publish(subject, StepOutput(executor=self.instance, step=self.engine.steps, outputs=items))

@@ -16,8 +16,9 @@ import msgspec
 
 from radixflow.shared import subjects
 from radixflow.shared.bus import Bus, InboxStream
-from radixflow.shared.errors import NotFound, RadixflowError, RequestTimeout, ServiceUnavailable, from_reply
-from radixflow.shared.messages import (AbortRequest, Accepted, DetokenizeReply, DetokenizeRequest, DetokItem,
+from radixflow.shared.errors import NotFound, RadixflowError, RequestTimeout, ServiceUnavailable, StreamGap, from_reply
+from radixflow.shared.messages import (AbortRequest, Accepted, DetokenizeReply, DetokenizeRequest, DetokItem, LiveQuery,
+                                       LiveReply,
                                        ErrorReply, ExecutorInfo, GenerateRequest, Heartbeat, ProgramAccepted,
                                        ProgramEvent, ProgramInfo, ProgramQuery, ProgramRequest, StreamChunk,
                                        StreamError, TopLogprobs)
@@ -90,8 +91,10 @@ class Result:
 
 
 class EngineClient:
-    def __init__(self, bus: Bus, scheduler_timeout_s: float, request_timeout_s: float = 960.0):
+    def __init__(self, bus: Bus, scheduler_timeout_s: float, request_timeout_s: float = 960.0,
+                 stall_check_s: float = 5.0):
         self.bus = bus
+        self.stall_check_s = stall_check_s
         self.scheduler_timeout_s = scheduler_timeout_s
         self.request_timeout_s = request_timeout_s
         self._schedulers: dict[str, float] = {}           # instance -> last heartbeat (monotonic)
@@ -118,14 +121,36 @@ class EngineClient:
         return list(seen.values())
 
     async def watch(self) -> None:
-        """Fail the streams of a scheduler that stopped beating."""
+        """Fail the streams of a scheduler that stopped beating, and those whose end was lost."""
         while True:
             await asyncio.sleep(min(0.5, self.scheduler_timeout_s / 4))
             now = time.monotonic()
+            if not self.bus.settled(self.scheduler_timeout_s):
+                continue     # cut off from NATS ourselves: the beats we missed say nothing
+            silent: dict[str, list[tuple[str, InboxStream]]] = {}
             for rid, (sched, stream) in list(self._streams.items()):
                 last = self._schedulers.get(sched)
                 if last is not None and now - last > self.scheduler_timeout_s:
                     stream.fail(ServiceUnavailable(f"scheduler {sched} stopped responding; request {rid} was lost"))
+                elif now - stream.heard_at > self.stall_check_s and now - stream.probed_at > self.stall_check_s:
+                    stream.probed_at = now
+                    silent.setdefault(sched, []).append((rid, stream))
+            for sched, streams in silent.items():
+                await self._probe(sched, streams)
+
+    async def _probe(self, sched: str, streams: list[tuple[str, InboxStream]]) -> None:
+        """Streams silent for stall_check_s: does their scheduler still run them? NATS delivers at
+        most once, so a stream's last item can be lost; the stream then ends with a clear error
+        instead of waiting for the request timeout."""
+        try:
+            reply = await self.bus.request(subjects.live("scheduler", sched), LiveQuery(rids=[r for r, _ in streams]),
+                                           LiveReply, timeout=2, idempotent=True)
+        except RadixflowError:
+            return            # unreachable: its heartbeats decide
+        known = set(reply.rids)
+        for rid, stream in streams:
+            if rid not in known and time.monotonic() - stream.heard_at > self.stall_check_s:
+                stream.fail(StreamGap(f"the end of request {rid} was lost in transit"))
 
     def generate(self, req: GenerateRequest) -> AsyncIterator[Accepted | StreamChunk]:
         """Yield Accepted, then every StreamChunk; a StreamError raises its typed error.
@@ -175,12 +200,13 @@ class EngineClient:
         owner = self._owners.get(q.id)
         if owner is not None:
             try:
-                return await self.bus.request(subjects.program_op(owner, op), q, ProgramInfo, timeout=10)
+                return await self.bus.request(subjects.program_op(owner, op), q, ProgramInfo, timeout=10,
+                                              idempotent=True)
             except ServiceUnavailable:
                 pass       # that scheduler is gone; another may have it (it never does today: programs live in one)
         subject = subjects.PROGRAM_GET if op == "get" else subjects.PROGRAM_CANCEL
         try:
-            return await self.bus.request(subject, q, ProgramInfo, timeout=1.0)
+            return await self.bus.request(subject, q, ProgramInfo, timeout=1.0, idempotent=True)
         except RequestTimeout:
             raise NotFound(f"no program {q.id!r}", param="id") from None
 
@@ -213,7 +239,7 @@ class EngineClient:
         parts = [uniq[i:i + TEXTS_PER_REQUEST] for i in range(0, len(uniq), TEXTS_PER_REQUEST)]
         replies = await asyncio.gather(*(self.bus.request(subjects.TOKENIZER_DETOKENIZE, DetokenizeRequest(items=[
             DetokItem(ids=[t], prefix_offset=0, read_offset=0, skip_special_tokens=False, flush=True) for t in part]),
-            DetokenizeReply, timeout=10) for part in parts))
+            DetokenizeReply, timeout=10, idempotent=True) for part in parts))
         for part, reply in zip(parts, replies):
             known.update((t, d.text) for t, d in zip(part, reply.items))
         return known
@@ -222,7 +248,7 @@ class EngineClient:
         """The text of a whole token sequence (special tokens kept)."""
         reply = await self.bus.request(subjects.TOKENIZER_DETOKENIZE, DetokenizeRequest(items=[DetokItem(
             ids=ids, prefix_offset=0, read_offset=0, skip_special_tokens=False, flush=True)]), DetokenizeReply,
-            timeout=10)
+            timeout=10, idempotent=True)
         return reply.items[0].text
 
 

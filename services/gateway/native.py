@@ -215,7 +215,7 @@ async def tokenize(request: web.Request) -> web.Response:
         req = EncodeRequest(text=text)
     else:
         raise BadRequest("one of text, prompt or messages is required", param="text")
-    reply: EncodeReply = await bus.request(subjects.TOKENIZER_ENCODE, req, EncodeReply, timeout=30)
+    reply: EncodeReply = await bus.request(subjects.TOKENIZER_ENCODE, req, EncodeReply, timeout=30, idempotent=True)
     limit = _max_model_len(request)
     if isinstance(text, list):
         return web.json_response({"tokens": reply.batch, "count": [len(b) for b in reply.batch], "max_model_len": limit})

@@ -24,7 +24,8 @@ async def health(request: web.Request) -> web.Response:
 
     async def ask(service: str) -> StatusReply | None:
         try:
-            return await bus.request(subjects.status(service), StatusRequest(), StatusReply, timeout=cfg.health_timeout_s)
+            return await bus.request(subjects.status(service), StatusRequest(), StatusReply, timeout=cfg.health_timeout_s,
+                                     idempotent=True)
         except RadixflowError:
             return None
     names = [s for s in subjects.SERVICES if s != "gateway"]

@@ -23,7 +23,7 @@ class GatewayService(Actor):
                  request_timeout_s: float = 960.0):
         super().__init__(bus, service_config)
         self.cfg = config
-        self.client = EngineClient(bus, config.scheduler_timeout_s, request_timeout_s)
+        self.client = EngineClient(bus, config.scheduler_timeout_s, request_timeout_s, config.stall_check_s)
         self.app = make_app(bus, self.client, config)
         self._runner: web.AppRunner | None = None
         self._inflight = 0

@@ -77,6 +77,8 @@ class RadixService(Actor):
                 expired = pool.expire_pins(now)
                 if expired:
                     self.log.warning("pins expired before their program unpinned them", pool=name, pins=len(expired))
+            if not self.bus.settled(POOL_TIMEOUT_S):
+                continue     # cut off from NATS ourselves: the beats we missed say nothing
             for p in [p for p, t in self.seen.items() if now - t > POOL_TIMEOUT_S]:
                 self.pools.pop(p, None)
                 self.seen.pop(p, None)

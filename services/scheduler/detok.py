@@ -55,7 +55,7 @@ class Detokenizer:
     async def run(self, items: list[DetokItem]) -> list[DetokResult]:
         if self.local is None:
             reply = await self.bus.request(subjects.TOKENIZER_DETOKENIZE, DetokenizeRequest(items=items),
-                                           DetokenizeReply, timeout=10)
+                                           DetokenizeReply, timeout=10, idempotent=True)
             return reply.items
         from radixflow.services.tokenizer.service import detokenize_items   # loaded with the tokenizer
         return detokenize_items(self.local, items)

@@ -18,11 +18,12 @@ from radixflow.shared import log, subjects
 from radixflow.shared.actor import Actor
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import SchedulerConfig, ServiceConfig
-from radixflow.shared.errors import BadRequest, Overloaded, RadixflowError, ServiceUnavailable
+from radixflow.shared.errors import BadRequest, Overloaded, RadixflowError, RequestLost, RequestTimeout, ServiceUnavailable
 from radixflow.shared.histogram import Histogram
 from radixflow.shared.messages import (AbortRequest, Accepted, Constraint,
                                        DetokItem, EncodeReply, EncodeRequest, ExecAccepted, ExecRequest, ExecutorInfo,
-                                       GenerateRequest, GrammarCompile, GrammarCompiled, Heartbeat, ProgramQuery,
+                                       GenerateRequest, GrammarCompile, GrammarCompiled, Heartbeat, LiveQuery, LiveReply,
+                                       ProgramQuery,
                                        ProgramRequest, RadixPlace, RadixPlaceReply, Sample, StatusReply, StatusRequest, StepOutput,
                                        StreamChunk, StreamError, TokenizerInfo, Usage)
 from radixflow.shared.validate import check_request
@@ -34,6 +35,8 @@ from .structured import OutputCheck, check_constraint
 from .stops import StopMatcher
 from .table import RequestTable, Tracked, namespace_of
 from .tenants import RETRY_AFTER_S, TenantLedger, Ticket
+
+ENDED_KEEP_S = 5.0    # a request whose terminal item was sent this recently still counts as known (LiveQuery)
 
 
 @dataclass
@@ -73,6 +76,8 @@ class SchedulerService(Actor):
         self.route(subjects.SCHEDULER_PROGRAM, ProgramRequest, self.programs.submit, queue="scheduler")
         self.route(subjects.PROGRAM_GET, ProgramQuery, self.programs.get_if_owner)
         self.route(subjects.PROGRAM_CANCEL, ProgramQuery, self.programs.cancel_if_owner)
+        self.route(subjects.live(self.service, self.instance), LiveQuery, self.live, drain_last=True)
+        self._ended: dict[str, float] = {}          # rid -> when its terminal item was sent
         self.route(subjects.program_op(self.instance, "get"), ProgramQuery, self.programs.get, drain_last=True)
         self.route(subjects.program_op(self.instance, "cancel"), ProgramQuery, self.programs.cancel, drain_last=True)
 
@@ -121,7 +126,8 @@ class SchedulerService(Actor):
             return live[0]
         try:
             reply = await self.bus.request(subjects.RADIX_PLACE, RadixPlace(
-                namespace=namespace, token_ids=ids, pools=[e.instance for e in live]), RadixPlaceReply, timeout=2)
+                namespace=namespace, token_ids=ids, pools=[e.instance for e in live]), RadixPlaceReply, timeout=2,
+                idempotent=True)
             cached = reply.cached_tokens
         except RadixflowError as e:
             self.log.warning("placement without radix", error=e.message)
@@ -132,14 +138,15 @@ class SchedulerService(Actor):
 
     async def _eos_ids(self) -> list[int]:
         if self._eos is None:
-            info = await self.bus.request(subjects.TOKENIZER_INFO, StatusRequest(), TokenizerInfo, timeout=10)
+            info = await self.bus.request(subjects.TOKENIZER_INFO, StatusRequest(), TokenizerInfo, timeout=10,
+                                          idempotent=True)
             self._eos = list(info.eos_token_ids)
             self.detok.offer(info)
         return self._eos
 
     async def encode(self, text: str | None = None, messages=None, texts: list[str] | None = None) -> EncodeReply:
         return await self.bus.request(subjects.TOKENIZER_ENCODE, EncodeRequest(text=text, messages=messages, texts=texts),
-                                      EncodeReply, timeout=30)
+                                      EncodeReply, timeout=30, idempotent=True)
 
     async def compile(self, c: Constraint | None) -> tuple[str | None, OutputCheck | None]:
         """The compiled grammar's key and the final-output check of a constraint (None: unconstrained)."""
@@ -147,7 +154,7 @@ class SchedulerService(Actor):
             return None, None
         check_constraint(c)
         compiled = await self.bus.request(subjects.GRAMMAR_COMPILE, GrammarCompile(kind=c.kind, spec=c.spec),
-                                          GrammarCompiled, timeout=60)
+                                          GrammarCompiled, timeout=60, idempotent=True)
         return compiled.key, OutputCheck(c, compiled.backend, compiled.enforcement, compiled.compile_s)
 
     def check_room(self, n: int = 1) -> None:
@@ -240,11 +247,13 @@ class SchedulerService(Actor):
         ex.inflight += not reserved
         try:
             await self.bus.request(subjects.executor_submit(ex.instance), req, ExecAccepted, timeout=40)
-        except RadixflowError:
+        except RadixflowError as e:
             # not accepted: the caller gets the error instead (unless something already forgot it,
             # which gave its executor slot back)
             if self.table.finish(req.rid) is not None:
                 ex.inflight = max(0, ex.inflight - 1)
+            if isinstance(e, (RequestLost, RequestTimeout)):    # it may run there all the same
+                await self._abort_quietly(ex.instance, [req.rid])
             raise
 
     @staticmethod
@@ -273,7 +282,15 @@ class SchedulerService(Actor):
         if not live:
             return
         now = time.monotonic()
+        gaps = [(t, o) for t, o in live if o.offset != len(t.output_ids)]
+        for t, o in gaps:
+            # an earlier output of it was lost (NATS delivers at most once): its text has a hole
+            await self._fail(t, 502, "stream_gap", f"output lost in transit: expected token {len(t.output_ids)}, "
+                             f"got {o.offset} from executor {step.executor}", abort=not o.finished)
+        if gaps:
+            live = [(t, o) for t, o in live if o.offset == len(t.output_ids)]
         for t, o in live:
+            t.heard_at = now
             if o.token_ids:
                 if t.last_token_at:
                     self.itl.observe((now - t.last_token_at) / len(o.token_ids))
@@ -340,6 +357,8 @@ class SchedulerService(Actor):
     async def publish_stream(self, subject: str, rid: str, item: StreamChunk | StreamError, as_json: bool) -> bool:
         """Send one stream item; False when it could not be sent. An unsendable end of a choice
         (an oversize last chunk) becomes the stream's terminal StreamError in its place."""
+        if isinstance(item, StreamError) or item.finished:
+            self._ended[rid] = time.monotonic()
         try:
             await self.bus.publish(subject, item, as_json)
             return True
@@ -389,6 +408,7 @@ class SchedulerService(Actor):
         req = msgspec.structs.replace(t.exec_req, sampling=sampling, after="", logprob_start=-1)
         t.output_ids, t.logprobs, t.top_logprobs = [], [], []
         t.prefix_offset = t.read_offset = t.sent = 0
+        t.heard_at = time.monotonic()
         t.text, t.held = "", ""
         t.stops = StopMatcher(t.sampling.stop)
         try:
@@ -438,7 +458,7 @@ class SchedulerService(Actor):
         if not others:
             return False
         ex = await self.place(others, t.exec_req.namespace, t.exec_req.input_ids)
-        t.executor = ex.instance
+        t.executor, t.heard_at = ex.instance, time.monotonic()
         ex.inflight += 1
         try:
             await self.bus.request(subjects.executor_submit(ex.instance), t.exec_req, ExecAccepted, timeout=40)
@@ -449,9 +469,48 @@ class SchedulerService(Actor):
         self.log.info("request moved to another executor", rid=t.rid, executor=ex.instance)
         return True
 
+    async def live(self, q: LiveQuery) -> LiveReply:
+        """The asked requests and programs this scheduler still has, or ended moments ago."""
+        self._prune_ended(time.monotonic())
+        return LiveReply(rids=[r for r in q.rids if r in self.table or r in self.siblings or r in self.programs.runs
+                               or r in self._ended])
+
+    def _prune_ended(self, now: float) -> None:
+        for rid in [r for r, t in self._ended.items() if now - t > ENDED_KEEP_S]:
+            del self._ended[rid]
+
+    async def _probe_silent(self, now: float) -> None:
+        """Requests silent for stall_check_s: ask their executors whether they still run them. One
+        it does not know lost its end on the way (or never got there): a clear error, not a wait
+        until the deadline."""
+        self._prune_ended(now)
+        by_exec: dict[str, list[Tracked]] = {}
+        for t in self.table.silent(now, self.cfg.stall_check_s):
+            t.probed_at = now
+            by_exec.setdefault(t.executor, []).append(t)
+        for ex, ts in by_exec.items():
+            try:
+                reply = await self.bus.request(subjects.live("executor", ex), LiveQuery(rids=[t.rid for t in ts]),
+                                               LiveReply, timeout=2, idempotent=True)
+            except RadixflowError:
+                continue      # unreachable: the watchdog decides whether it is dead
+            known = set(reply.rids)
+            for t in ts:
+                if t.rid not in known and self.table.get(t.rid) is t and time.monotonic() - t.heard_at > self.cfg.stall_check_s:
+                    await self._fail(t, 502, "stream_gap", f"executor {ex} no longer has the request: its output "
+                                     "was lost in transit")
+
+    async def _abort_quietly(self, executor: str, rids: list[str]) -> None:
+        try:
+            await self.bus.publish(subjects.executor_abort(executor), AbortRequest(rids=rids))
+        except RadixflowError:
+            pass
+
     async def _answers(self, instance: str) -> bool:
         try:
             await self.bus.request(subjects.ping("executor", instance), StatusRequest(), StatusReply, timeout=1.0)
+            return True
+        except RequestLost:      # our own connection dropped: this says nothing about the executor
             return True
         except RadixflowError:
             return False
@@ -460,7 +519,9 @@ class SchedulerService(Actor):
         while True:
             await asyncio.sleep(min(0.5, self.cfg.executor_timeout_s / 4))
             now = time.monotonic()
-            silent = [st for st in self.executors.values() if now - st.last_seen > self.cfg.executor_timeout_s]
+            # beats missed while this process was cut off from NATS say nothing about the executors
+            settled = self.bus.settled(self.cfg.executor_timeout_s)
+            silent = [st for st in self.executors.values() if settled and now - st.last_seen > self.cfg.executor_timeout_s]
             # missed beats are not proof of death (this loop may have been the one that stalled):
             # ask each silent executor directly; a killed one has no responder and fails at once
             alive = await asyncio.gather(*(self._answers(st.instance) for st in silent))
@@ -477,6 +538,8 @@ class SchedulerService(Actor):
                         if not await self._rescue(t):
                             await self._fail(t, 503, "service_unavailable",
                                              f"executor {inst} stopped responding; the request was lost")
+            if settled:
+                await self._probe_silent(now)
             await self.programs.expire(now)
             for t in self.table.expired(now):
                 await self._fail(t, 504, "timeout", f"request did not finish within {self.cfg.request_timeout_s:g}s",

@@ -54,6 +54,8 @@ class Tracked:
     ticket: Ticket | None = None  # its tenant's accounting, released when it leaves the table
     accepted_at: float = field(default_factory=time.monotonic)   # for the latency histograms
     last_token_at: float = 0.0    # when its latest output arrived (0: none yet)
+    heard_at: float = field(default_factory=time.monotonic)   # its latest output of any kind, or its dispatch
+    probed_at: float = 0.0        # when its executor was last asked whether it still runs it
 
     def __post_init__(self) -> None:
         self.stops = StopMatcher(self.sampling.stop)
@@ -106,6 +108,10 @@ class RequestTable:
 
     def on_executor(self, executor: str) -> list[Tracked]:
         return [t for t in self._live.values() if t.executor == executor]
+
+    def silent(self, now: float, after_s: float) -> list[Tracked]:
+        """Requests without output for `after_s`, not asked about in that time either."""
+        return [t for t in self._live.values() if now - t.heard_at > after_s and now - t.probed_at > after_s]
 
     def expired(self, now: float) -> list[Tracked]:
         return [t for t in self._live.values() if now > t.deadline]

@@ -199,6 +199,7 @@ class ExecAccepted(Msg):
 class SeqOutput(Msg):
     rid: str
     token_ids: list[int]              # new tokens of this step (possibly empty)
+    offset: int = 0                   # output tokens sent before these: a lost output shows as a gap
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort | error
     matched_stop: int | None = None

@@ -29,6 +29,16 @@ class StatusReply(Msg):
     detail: dict[str, Any] = {}
 
 
+class LiveQuery(Msg):
+    """Which of these requests (or programs) does the instance still have? Asked about requests
+    that went silent: NATS delivers at most once, so an output or a stream's end can be lost."""
+    rids: list[str]
+
+
+class LiveReply(Msg):
+    rids: list[str]                   # those it has, or ended within the last few seconds
+
+
 class Heartbeat(Msg):
     """Published by every service instance every heartbeat period."""
     service: str
