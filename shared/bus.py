@@ -122,15 +122,22 @@ class Bus:
         await self.nc.publish(subject, self._encode(msg, subject, as_json))
 
     async def request(self, subject: str, msg: Msg, reply: Any, *, timeout: float | None = None,
-                      idempotent: bool = False) -> Any:
+                      idempotent: bool = False, attempt_s: float | None = None) -> Any:
         """Send `msg` and decode the answer as `reply`; an ErrorReply raises the typed error.
         If the connection drops and comes back while waiting, the request or its answer may be
-        lost: an `idempotent` request is sent again, any other fails at once (RequestLost)."""
+        lost: an `idempotent` request is sent again, any other fails at once (RequestLost).
+        `attempt_s` (idempotent only): also send it again after this long without an answer (its
+        responder may have died with it; a queue group hands the repeat to another)."""
         data = self._encode(msg, subject)
         timeout = self.config.request_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while True:
             left = max(deadline - time.monotonic(), 0.001)
+            if idempotent and attempt_s and left > attempt_s:
+                try:
+                    return await self.request(subject, msg, reply, timeout=attempt_s, idempotent=True)
+                except RequestTimeout:
+                    continue
             reconnected = self._reconnected
             ask = asyncio.ensure_future(self.nc.request(subject, data, timeout=left))
             if reconnected is None:

@@ -17,14 +17,22 @@ async def start(model: str, **over) -> Stack:
     st.nats = nats
     st.base = f"http://127.0.0.1:{st.actors['gateway'].port}"
     st.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
-    for _ in range(600):      # ready once the grammar workers have booted (seconds on 2 cores)
-        async with st.http.get(st.base + "/health") as r:
-            if r.status == 200:
-                break
-        await asyncio.sleep(0.1)
-    else:
-        raise RuntimeError("stack not healthy in 60 s")
+    await wait_healthy(st.base)
     return st
+
+
+async def wait_healthy(base: str, timeout_s: float = 90.0) -> None:
+    """Until /health is 200 (the grammar workers boot for seconds on 2 cores); raises if it never is."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    last = None
+    async with aiohttp.ClientSession() as http:
+        while asyncio.get_running_loop().time() < deadline:
+            async with http.get(base + "/health") as r:
+                if r.status == 200:
+                    return
+                last = await r.text()
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"stack not healthy in {timeout_s:g} s: {last}")
 
 
 async def stop(st: Stack) -> None:

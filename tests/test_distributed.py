@@ -27,6 +27,8 @@ N = 32
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "n": {"type": "integer"}}, "required": ["name", "n"]}
+LONG_SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "minLength": 150, "maxLength": 200}},
+               "required": ["story"]}
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +105,9 @@ def burst(c: Cluster, fault=None, after_s: float = 2.0, n: int = N, max_tokens: 
 
 
 def assert_every_stream_ended_once(outs: list[dict], struck: float) -> None:
+    ends = [o["end"] for o in outs]
+    print(f"\n{ends.count('done')} finished, {ends.count('error')} clean errors, {ends.count('hang')} hung; "
+          f"last end {max(o['t'] for o in outs) - struck:.1f} s after the fault")
     hung = [o for o in outs if o["end"] == "hang"]
     assert not hung, f"{len(hung)} of {len(outs)} streams hung"
     assert all(o["terminal"] == 1 for o in outs), [o["terminal"] for o in outs]
@@ -157,25 +162,34 @@ def test_kill_9_the_radix_service_then_restart(cluster):
 
 
 def test_kill_9_the_grammar_service_with_constrained_requests_in_flight(cluster):
-    outs, struck = burst(cluster, lambda: cluster.signal("grammar", signal.SIGKILL), after_s=1.0,
-                         max_tokens=64, schema=SCHEMA)
+    # killed while it compiles the schema for 32 waiting requests: each ends with a clear error
+    outs, struck = burst(cluster, lambda: cluster.signal("grammar", signal.SIGKILL), after_s=0.5,
+                         max_tokens=64, schema=dict(SCHEMA, title="cold"))
     assert_every_stream_ended_once(outs, struck)
-    for o in outs:
-        assert o["end"] in ("done", "error")
+    assert_idle_and_serving(cluster)
+    # killed while 32 requests decode with a grammar their executors already hold: they finish
+    burst(cluster, n=2, max_tokens=8, schema=LONG_SCHEMA)
+    outs, struck = burst(cluster, lambda: cluster.signal("grammar", signal.SIGKILL), after_s=1.5,
+                         max_tokens=400, schema=LONG_SCHEMA)
+    assert max(o["t"] for o in outs) > struck, "every stream ended before the kill"
+    assert_every_stream_ended_once(outs, struck)
+    assert sum(o["end"] == "done" for o in outs) >= N // 2, [o["end"] for o in outs]
     assert_idle_and_serving(cluster)
     outs, _ = burst(cluster, n=2, max_tokens=64, schema=SCHEMA)     # a restarted grammar compiles again
     assert [o["end"] for o in outs] == ["done"] * 2
 
 
 def test_sigterm_drains_an_executor(cluster):
-    outs, struck = burst(cluster, lambda: cluster.signal("executor", signal.SIGTERM, index=1), max_tokens=96)
+    outs, struck = burst(cluster, lambda: cluster.signal("executor", signal.SIGTERM, index=1), max_tokens=320)
+    assert min(o["t"] for o in outs) > struck, "the streams ended before the signal: nothing was drained"
     assert_every_stream_ended_once(outs, struck)
     assert [o["end"] for o in outs] == ["done"] * N, [o["end"] for o in outs]
     assert_idle_and_serving(cluster)
 
 
 def test_sigterm_drains_the_scheduler(cluster):
-    outs, struck = burst(cluster, lambda: cluster.signal("scheduler", signal.SIGTERM), max_tokens=96)
+    outs, struck = burst(cluster, lambda: cluster.signal("scheduler", signal.SIGTERM), max_tokens=320)
+    assert min(o["t"] for o in outs) > struck, "the streams ended before the signal: nothing was drained"
     assert_every_stream_ended_once(outs, struck)
     assert [o["end"] for o in outs] == ["done"] * N, [o["end"] for o in outs]
     assert_idle_and_serving(cluster)

@@ -12,6 +12,7 @@ from radixflow.services.stack import Stack, stack_config
 from radixflow.shared import subjects
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import BusConfig
+from .stacks import wait_healthy
 from radixflow.shared.messages import Accepted, GenerateRequest, SamplingParams, StreamChunk
 
 
@@ -20,12 +21,7 @@ async def stack(nats_server, models):
     cfg = stack_config(nats_server.url, models["tiny-hybrid"], gw_port=0)
     st = await Stack(cfg).start()
     base = f"http://127.0.0.1:{st.actors['gateway'].port}"
-    async with aiohttp.ClientSession() as s:
-        for _ in range(600):
-            async with s.get(base + "/health") as r:
-                if r.status == 200:
-                    break
-            await asyncio.sleep(0.1)
+    await wait_healthy(base)
     st.base = base
     yield st
     await st.stop()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import random
 import re
@@ -417,8 +418,10 @@ async def test_every_kind_and_the_corpus_compile(grammar):
 
 async def test_metrics_and_status(grammar):
     svc, client = grammar
-    await compile_(client, "regex", "[a-c]{2}")
-    await compile_(client, "regex", "[a-c]{2}")
+    hits, compiles = svc.compiler.cache.hits, svc.compiler.compiles
+    await compile_(client, "regex", "[a-c]{2}x")      # a spec no other test compiles: a miss, then a hit
+    await compile_(client, "regex", "[a-c]{2}x")
+    assert (svc.compiler.cache.hits - hits, svc.compiler.compiles - compiles) == (1, 1)
     replies = await client.gather(subjects.METRICS, StatusRequest(), MetricsReply, window_s=0.5)
     mine = [r for r in replies if r.instance == svc.instance]
     assert mine
@@ -428,11 +431,39 @@ async def test_metrics_and_status(grammar):
     for name in ("grammar_cache_hits_total", "grammar_compiles_total", "grammar_cache_bytes",
                  "grammar_compile_seconds_sum", "grammar_compile_seconds_count"):
         assert name in by, name
-    assert by["grammar_cache_hits_total"][0].value >= 1 and by["grammar_cache_bytes"][0].value > 0
+    assert by["grammar_cache_hits_total"][0].value == svc.compiler.cache.hits and by["grammar_cache_bytes"][0].value > 0
+    assert by["grammar_compiles_total"][0].value == svc.compiler.compiles
     buckets = by["grammar_compile_seconds_bucket"]
     assert [b.labels["le"] for b in buckets] == ["0.01", "0.05", "0.1", "0.5", "1", "5", "10", "+Inf"]
     counts = [b.value for b in buckets]
     assert counts == sorted(counts) and counts[-1] == by["grammar_compile_seconds_count"][0].value
     st = svc.status()
-    assert st["xgrammar"] == "0.2.9" or st["xgrammar"]
+    assert st["xgrammar"] == importlib.metadata.version("xgrammar")
+    assert st["llguidance"] == importlib.metadata.version("llguidance")
     assert st["entries"] >= 1 and "hits" in st and "evictions" in st
+
+
+async def test_another_instance_serves_a_key_by_compiling_its_source(grammar, models):
+    """Several grammar instances (or one restarted) share compiled grammars: a fetch carries the
+    source of its key, and an instance that does not hold the key compiles it and serves it."""
+    svc, client = grammar
+    schema = dumps(dict(PERSON, title="elsewhere"))
+    compiled = await compile_(client, "json_schema", schema)
+    bus2 = Bus("grammar-svc-2", BusConfig(nats_url=client.config.nats_url))
+    await bus2.connect()
+    other = GrammarService(bus2, models["tiny-hybrid"], deadline_s=DEADLINE_S, backend="xgrammar")
+    await other.compiler.start(wait_workers=True)       # its handlers called directly: no subscription
+    try:
+        with pytest.raises(NotFound):
+            await other.fetch(GrammarFetch(key=compiled.key))
+        blob = await other.fetch(GrammarFetch(key=compiled.key, source=GrammarCompile(
+            kind="json_schema", spec=schema, backend=compiled.backend)))
+        mine = await svc.fetch(GrammarFetch(key=compiled.key))
+        assert blob.key == compiled.key and blob.backend == mine.backend == compiled.backend
+        assert zlib.decompress(blob.data) == zlib.decompress(mine.data)
+        with pytest.raises(NotFound, match="another key"):          # a source that does not make the key
+            await other.fetch(GrammarFetch(key=compiled.key[::-1], source=GrammarCompile(
+                kind="json_schema", spec=schema, backend=compiled.backend)))
+    finally:
+        await other.compiler.stop()
+        await bus2.close()

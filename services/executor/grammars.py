@@ -11,7 +11,7 @@ from radixflow.services.grammar.backends.base import Backend, Grammar
 from radixflow.shared import subjects
 from radixflow.shared.bus import Bus
 from radixflow.shared.errors import RadixflowError
-from radixflow.shared.messages import GrammarBlob, GrammarFetch
+from radixflow.shared.messages import GrammarBlob, GrammarCompile, GrammarFetch
 
 
 class GrammarStore:
@@ -26,7 +26,7 @@ class GrammarStore:
         self.fetches = 0
         self.hits = 0
 
-    async def get(self, key: str) -> Grammar:
+    async def get(self, key: str, source: GrammarCompile | None = None) -> Grammar:
         g = self._cache.get(key)
         if g is not None:
             self._cache.move_to_end(key)
@@ -34,13 +34,15 @@ class GrammarStore:
             return g
         fut = self._inflight.get(key)
         if fut is None:               # one fetch per key, however many requests wait for it
-            fut = self._inflight[key] = asyncio.ensure_future(self._fetch(key))
+            fut = self._inflight[key] = asyncio.ensure_future(self._fetch(key, source))
             fut.add_done_callback(lambda _: self._inflight.pop(key, None))
         return await asyncio.shield(fut)
 
-    async def _fetch(self, key: str) -> Grammar:
-        blob = await self.bus.request(subjects.GRAMMAR_FETCH, GrammarFetch(key=key), GrammarBlob, timeout=30,
-                                      idempotent=True)
+    async def _fetch(self, key: str, source: GrammarCompile | None) -> Grammar:
+        # a fetch may compile (an instance that does not hold the key): attempts of 5 s, so one
+        # lost with a dying instance is sent again to another, not waited on for the whole timeout
+        blob = await self.bus.request(subjects.GRAMMAR_FETCH, GrammarFetch(key=key, source=source), GrammarBlob,
+                                      timeout=30, idempotent=True, attempt_s=5)
         self.fetches += 1
         backend = self.backends.get(blob.backend)
         if backend is None:

@@ -122,7 +122,7 @@ class ExecutorService(Actor):
         self._thread.shutdown(wait=False, cancel_futures=True)
 
     async def submit(self, req: ExecRequest) -> ExecAccepted:
-        grammar = await self.grammars.get(req.grammar_key) if req.grammar_key else None
+        grammar = await self.grammars.get(req.grammar_key, req.grammar) if req.grammar_key else None
         self.engine.add(req, grammar)
         self._owner[req.rid] = req.output_subject
         self._subject_seen.setdefault(req.output_subject, time.monotonic())

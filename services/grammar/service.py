@@ -68,6 +68,14 @@ class GrammarService(Actor):
 
     async def fetch(self, req: GrammarFetch) -> GrammarBlob:
         entry = self.compiler.fetch(req.key)
+        if entry is None and req.source is not None:
+            # compiled elsewhere (another instance, or this one before a restart): compile it here
+            s = req.source
+            r = await self.compiler.compile(s.kind, s.spec, s.backend)
+            if r.key != req.key:
+                raise NotFound(f"the grammar compiles to another key on this instance ({r.key[:16]}... for "
+                               f"{req.key[:16]}...): a different tokenizer or engine version", param="key")
+            entry = self.compiler.fetch(r.key)
         if entry is None:
             raise NotFound(f"no compiled grammar with key {req.key[:16]}... on this grammar instance "
                            "(evicted, or compiled elsewhere); compile it again, then fetch", param="key")

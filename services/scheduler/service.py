@@ -154,7 +154,7 @@ class SchedulerService(Actor):
             return None, None
         check_constraint(c)
         compiled = await self.bus.request(subjects.GRAMMAR_COMPILE, GrammarCompile(kind=c.kind, spec=c.spec),
-                                          GrammarCompiled, timeout=60, idempotent=True)
+                                          GrammarCompiled, timeout=60, idempotent=True, attempt_s=5)
         return compiled.key, OutputCheck(c, compiled.backend, compiled.enforcement, compiled.compile_s)
 
     def check_room(self, n: int = 1) -> None:
@@ -238,6 +238,8 @@ class SchedulerService(Actor):
             ex.inflight -= reserved
             raise
         req.eos_token_ids, req.output_subject = await self._eos_ids(), self.output_subject
+        if req.grammar_key and t.check is not None:
+            req.grammar = GrammarCompile(kind=t.check.kind, spec=t.check.spec, backend=t.check.backend)
         t.exec_req = req
         try:
             self.table.add(t)    # before dispatch: an output may arrive before the executor's reply does

@@ -30,6 +30,7 @@ def check_constraint(c: Constraint) -> None:
 class OutputCheck:
     def __init__(self, c: Constraint, backend: str = "", enforcement: str = "full", compile_s: float = 0.0):
         self.kind = c.kind
+        self.spec = c.spec                # sent with the key: any grammar instance can compile it again
         self.backend = backend            # the grammar engine that enforces the rest
         self.enforcement = enforcement    # checked: only this check enforces some constructs
         self.compile_s = compile_s        # the grammar service's compile time, reported in Accepted

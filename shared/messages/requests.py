@@ -183,7 +183,8 @@ class ExecRequest(Msg):
     quota_pages: int = 0              # > 0: the namespace's owner may keep at most this many cached pages
     output_subject: str = ""          # where the executor publishes StepOutput for this request
     checkpoint_at: list[int] = []     # hybrid: also keep the state at these prompt positions (fork points)
-    grammar_key: str | None = None    # structured output: fetch the compiled grammar by this key
+    grammar_key: str | None = None    # structured output: fetch the compiled grammar by this key ...
+    grammar: "GrammarCompile | None" = None   # ... which any grammar instance can compile from this
     priority: int = 0                 # admission order among waiting requests (speculative branches: -1)
     pin: str = ""                     # programs: at release, keep the cached prefix locked under this key
     pin_ttl_s: float = 0.0            # ... at most this long (the program's deadline)
@@ -260,7 +261,10 @@ class GrammarCompiled(Msg):
 
 
 class GrammarFetch(Msg):
+    """A compiled grammar by key. With `source`, an instance that does not hold the key (restarted,
+    or another instance compiled it) compiles it from there, if that gives the same key."""
     key: str
+    source: GrammarCompile | None = None
 
 
 class GrammarBlob(Msg):
