@@ -37,6 +37,9 @@ _CORES = os.cpu_count() or 1
 class ClusterConfig:
     model: str
     nats_url: str = ""                 # empty: start an embedded nats-server for the cluster
+    # where each process connects, by "service" or "service-i" label (default: nats_url): the
+    # nodes of a NATS cluster, as on several hosts
+    placement: dict[str, str] = field(default_factory=dict)
     max_payload: int = 8 * 1024 * 1024
     host: str = "127.0.0.1"
     port: int = 8000
@@ -115,7 +118,8 @@ class Cluster:
 
     def _child(self, name: str, i: int) -> Child:
         cfg = self.cfg
-        argv = [sys.executable, "-m", "radixflow.services.cli.main", "service", name, "--nats-url", self.url]
+        url = cfg.placement.get(f"{name}-{i}") or cfg.placement.get(name) or self.url
+        argv = [sys.executable, "-m", "radixflow.services.cli.main", "service", name, "--nats-url", url]
         if name in ("executor", "tokenizer", "grammar"):
             argv += ["--model", cfg.model]
         argv += list(cfg.args)

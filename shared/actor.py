@@ -30,7 +30,7 @@ from nats.aio.subscription import Subscription
 from . import log, messages, subjects
 from .bus import Bus, is_json
 from .config import ServiceConfig
-from .errors import BadRequest, from_exception
+from .errors import BadRequest, Overloaded, from_exception
 from .messages import Heartbeat, MetricsReply, Msg, Sample, StatusReply, StatusRequest
 
 Handler = Callable[[Any], Awaitable[Msg | None]]
@@ -69,6 +69,7 @@ class Actor:
         self._loops: dict[str, asyncio.Task] = {}
         self._started = False
         self.restarts = 0
+        self.refused = 0          # requests refused at a full mailbox
         self.route(subjects.status(self.service), StatusRequest, self._on_status, queue=self.service)
         self.route(subjects.METRICS, StatusRequest, self._on_metrics)
         # a watchdog that missed this instance's beats asks it directly before declaring it dead
@@ -171,8 +172,16 @@ class Actor:
 
     def _intake(self, r: Route) -> Callable[[NatsMsg], Awaitable[None]]:
         q = r.mailbox if r.ordered else self._mailbox
+        limit = self.config.max_mailbox
 
         async def cb(m: NatsMsg) -> None:
+            # a full mailbox refuses new requests at once (429) instead of growing without bound;
+            # messages nobody waits on (outputs, beats) are still taken: dropping them loses work
+            if m.reply and q.qsize() >= limit:
+                self.refused += 1
+                await self.bus.respond(m, Overloaded(f"{self.service} has {q.qsize()} messages waiting; try again "
+                                                     "later", retry_after=1.0).to_reply())
+                return
             q.put_nowait((r, m))
         return cb
 

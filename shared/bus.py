@@ -23,7 +23,7 @@ from nats.aio.subscription import Subscription
 
 from . import log, messages, subjects
 from .config import BusConfig
-from .errors import (PayloadTooLarge, RadixflowError, RequestLost, RequestTimeout, ServiceUnavailable, StreamGap,
+from .errors import (BadRequest, PayloadTooLarge, RadixflowError, RequestLost, RequestTimeout, ServiceUnavailable, StreamGap,
                      from_reply)
 from .messages import ErrorReply, Msg, ProgramEvent, StreamChunk, StreamError
 
@@ -55,8 +55,11 @@ class Bus:
         deadline = asyncio.get_running_loop().time() + wait_s
         while True:
             try:
+                # a comma-separated list: the nodes of a NATS cluster, tried in this order (the
+                # first is this service's own); the client fails over between them
+                servers = [u.strip() for u in self.config.nats_url.split(",") if u.strip()]
                 self._nc = await nats.connect(
-                    self.config.nats_url, name=self.name, max_reconnect_attempts=-1,
+                    servers=servers, name=self.name, max_reconnect_attempts=-1, dont_randomize=True,
                     reconnect_time_wait=self.config.reconnect_wait_s, connect_timeout=2,
                     allow_reconnect=True, error_cb=self._on_error,
                     disconnected_cb=self._on_disconnect, reconnected_cb=self._on_reconnect)
@@ -109,7 +112,11 @@ class Bus:
     # ------------------------------------------------------------ sending
 
     def _encode(self, msg: Msg, subject: str, as_json: bool = False) -> bytes:
-        data = messages.encode_json(msg) if as_json else messages.encode(msg)
+        try:
+            data = messages.encode_json(msg) if as_json else messages.encode(msg)
+        except OverflowError:
+            raise BadRequest("a number in the request is out of range (integers must lie in [-2**63, 2**64 - 1])"
+                             ) from None
         limit = self.max_payload - _OVERHEAD
         if len(data) > limit:
             raise PayloadTooLarge(

@@ -16,7 +16,7 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class BusConfig:
     SECTION = "BUS"
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: str = "nats://127.0.0.1:4222"   # or a comma-separated list: a NATS cluster's nodes, own first
     # nats-py's 0.5 s default request timeout is wrong for LLM work; every request names its own.
     request_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
@@ -61,6 +61,8 @@ class SchedulerConfig:
     max_program_nodes: int = 1024     # programs: more nodes is a 400
     max_program_tokens: int = 2_000_000   # programs: own text plus generation budget of every node
     local_detokenize: bool = True     # decode outputs in process when the model's tokenizer is readable here
+    routing: str = "cache_aware"      # cache_aware | round_robin | cache_first (scheduler/routing.py)
+    route_load_tokens: int = 256      # cache_aware: a request in flight weighs like this many tokens to prefill
     stall_check_s: float = 5.0        # a request silent this long: ask its executor whether it still runs it
                                       # (an output lost to a NATS reconnect ends it with a clear error)
     max_resamples: int = 3            # structured output: a finished output that fails its check is
@@ -88,6 +90,7 @@ class ServiceConfig:
     # slowed a 3,000-token prefill by ~20% in one process), so beats are slow and timeouts 3.5 beats.
     heartbeat_s: float = 1.0
     drain_timeout_s: float = 30.0
+    max_mailbox: int = 10_000         # requests waiting for a handler; past it they get a 429 at once
 
 
 def _parse(raw: str, typ: Any) -> Any:

@@ -34,9 +34,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 class NatsServer:
     """A nats-server child process on 127.0.0.1:<port>. Use as a context manager or start()/stop()."""
 
-    def __init__(self, port: int | None = None, max_payload: int | None = None):
+    def __init__(self, port: int | None = None, max_payload: int | None = None, cluster_port: int | None = None,
+                 routes: list[str] | None = None, name: str = ""):
         self.port = port or free_port()
         self.max_payload = max_payload
+        self.cluster_port = cluster_port      # a node of a NATS cluster: routes to the other nodes
+        self.routes = routes or []
+        self.name = name
         self.proc: subprocess.Popen | None = None
         self._log = None
 
@@ -46,6 +50,12 @@ class NatsServer:
 
     def start(self, timeout_s: float = 10.0) -> "NatsServer":
         args = [find_binary(), "-a", "127.0.0.1", "-p", str(self.port)]
+        if self.cluster_port:
+            args += ["--cluster_name", "radixflow", "--cluster", f"nats://127.0.0.1:{self.cluster_port}"]
+            if self.routes:
+                args += ["--routes", ",".join(self.routes)]
+        if self.name:
+            args += ["-n", self.name]
         if self.max_payload:
             conf = tempfile.NamedTemporaryFile("w", suffix=".conf", delete=False)
             conf.write(f"max_payload: {self.max_payload}\n")
@@ -77,6 +87,37 @@ class NatsServer:
         self.proc = None
 
     def __enter__(self) -> "NatsServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class NatsCluster:
+    """`size` nats-server nodes on loopback, each routed to the others: the distribution layer of a
+    multi-host deployment, on one machine (tests)."""
+
+    def __init__(self, size: int = 3, max_payload: int | None = None):
+        ports = [free_port() for _ in range(size)]
+        self.nodes = [NatsServer(max_payload=max_payload, cluster_port=c, name=f"node-{i}",
+                                 routes=[f"nats://127.0.0.1:{o}" for o in ports if o != c])
+                      for i, c in enumerate(ports)]
+
+    def start(self, timeout_s: float = 10.0) -> "NatsCluster":
+        for n in self.nodes:
+            n.start(timeout_s)
+        return self
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+    def url(self, first: int) -> str:
+        """Every node, `first` first: a client prefers it and fails over to the others."""
+        order = [self.nodes[first]] + [n for i, n in enumerate(self.nodes) if i != first]
+        return ",".join(n.url for n in order)
+
+    def __enter__(self) -> "NatsCluster":
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -13,6 +13,7 @@ MAX_STOPS = 16
 MAX_STOP_LEN = 256
 MAX_TOP_LOGPROBS = 20     # OpenAI's bound
 MAX_N = 128
+MAX_RID = 256            # request ids: subject-safe logs and bounded table keys
 
 
 def check_sampling(p: SamplingParams) -> None:
@@ -59,6 +60,8 @@ def one_constraint(json_schema: str | None = None, regex: str | None = None, ebn
 
 
 def check_request(r: GenerateRequest) -> None:
+    if len(r.rid) > MAX_RID or not r.rid.isprintable():
+        raise BadRequest(f"rid must be at most {MAX_RID} printable characters", param="rid")
     given = [n for n, v in (("text", r.text), ("messages", r.messages), ("input_ids", r.input_ids)) if v is not None]
     if len(given) != 1:
         raise BadRequest("exactly one of text, messages or input_ids is required" if not given

@@ -7,23 +7,18 @@ One cluster serves the module (starting seven processes costs most of a minute o
 test leaves it serving with both executors up, which the next one checks first."""
 from __future__ import annotations
 
-import concurrent.futures as cf
-import json
 import os
 import signal
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 from radixflow.services.cluster import Cluster, ClusterConfig
 from radixflow.shared.natsd import free_port
 
-pytestmark = pytest.mark.distributed
+from .faults import FAST_FAILURE_ENV, N, assert_every_stream_ended_once, assert_idle_and_serving, burst
 
-TERMINAL_S = 10.0        # after a fault, every stream ends within this
-N = 32
+pytestmark = pytest.mark.distributed
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "n": {"type": "integer"}}, "required": ["name", "n"]}
@@ -35,10 +30,7 @@ LONG_SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "min
 def cluster(models, tmp_path_factory):
     logs = tmp_path_factory.mktemp("cluster-logs")
     cfg = ClusterConfig(model=models["tiny-hybrid"], port=free_port(), counts={"executor": 2}, log_dir=str(logs),
-                        # dead executors and schedulers are found within a second (the defaults: 3.5 s)
-                        env={"RADIXFLOW_SCHEDULER_EXECUTOR_TIMEOUT_S": "1.5", "RADIXFLOW_EXECUTOR_ORPHAN_TIMEOUT_S": "2",
-                             "RADIXFLOW_GATEWAY_SCHEDULER_TIMEOUT_S": "2", "RADIXFLOW_SERVICE_HEARTBEAT_S": "0.5",
-                             "RADIXFLOW_BUS_CONNECT_TIMEOUT_S": "60"},
+                        env=FAST_FAILURE_ENV,
                         args=("--max-total-tokens", "65536"))
     with Cluster(cfg) as c:
         try:
@@ -49,92 +41,6 @@ def cluster(models, tmp_path_factory):
             raise
         c.logs = str(logs)
         yield c
-
-
-def stream(base: str, i: int, max_tokens: int, schema: dict | None = None) -> dict:
-    """One streaming completion. Returns what ended it ('done' | 'error' | 'hang'), how many
-    terminal events the stream carried, when it ended and the tokens it streamed."""
-    body = {"model": "tiny-hybrid", "prompt": f"Request {i}: tell a long story about the sea.", "max_tokens": max_tokens,
-            "temperature": 0.8, "seed": i, "ignore_eos": True, "stream": True}
-    if schema:
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
-    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    out = {"end": "hang", "terminal": 0, "tokens": 0, "t": 0.0, "http": 200}
-    try:
-        with urllib.request.urlopen(req, timeout=40) as r:
-            for raw in r:
-                line = raw.decode(errors="replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    out["end"] = "done" if out["end"] == "hang" else out["end"]
-                    break
-                item = json.loads(data)
-                if "error" in item:
-                    out["terminal"] += 1
-                    out["end"] = "error"
-                    continue
-                ch = item["choices"][0]
-                out["tokens"] += 1 if ch.get("text") else 0
-                if ch.get("finish_reason"):
-                    out["terminal"] += 1
-        if out["end"] == "hang":
-            out["end"] = "error"          # closed without [DONE]: an end, though not a clean one
-    except urllib.error.HTTPError as e:    # refused before the stream began: its one terminal event
-        out.update(end="error", terminal=1, http=e.code)
-    except Exception:  # noqa: BLE001 (a read timeout: no terminal event)
-        pass
-    out["t"] = time.monotonic()
-    return out
-
-
-def burst(c: Cluster, fault=None, after_s: float = 2.0, n: int = N, max_tokens: int = 160,
-          schema: dict | None = None) -> tuple[list[dict], float]:
-    """n streams at once; `fault()` after `after_s`. Returns the outcomes and when the fault struck."""
-    struck = time.monotonic()
-    with cf.ThreadPoolExecutor(n) as ex:
-        futs = [ex.submit(stream, c.base, i, max_tokens, schema) for i in range(n)]
-        if fault is not None:
-            time.sleep(after_s)
-            struck = time.monotonic()
-            fault()
-        outs = [f.result() for f in futs]
-    return outs, struck
-
-
-def assert_every_stream_ended_once(outs: list[dict], struck: float) -> None:
-    ends = [o["end"] for o in outs]
-    print(f"\n{ends.count('done')} finished, {ends.count('error')} clean errors, {ends.count('hang')} hung; "
-          f"last end {max(o['t'] for o in outs) - struck:.1f} s after the fault")
-    hung = [o for o in outs if o["end"] == "hang"]
-    assert not hung, f"{len(hung)} of {len(outs)} streams hung"
-    assert all(o["terminal"] == 1 for o in outs), [o["terminal"] for o in outs]
-    late = [round(o["t"] - struck, 1) for o in outs if o["end"] == "error" and o["t"] - struck > TERMINAL_S]
-    assert not late, f"errors later than {TERMINAL_S}s after the fault: {late}"
-
-
-def pools(c: Cluster) -> list[dict]:
-    with urllib.request.urlopen(c.base + "/v1/memory", timeout=10) as r:
-        return [e["occupancy"] for e in json.loads(r.read())["executors"]]
-
-
-def idle(occ: dict) -> bool:
-    return (occ.get("requests_held") == 0 and occ["kv_pages_used"] == occ["kv_pages_cached"]
-            and occ.get("state_slots_used", 0) == occ.get("state_slots_cached", 0))
-
-
-def assert_idle_and_serving(c: Cluster, executors: int = 2) -> None:
-    """Both executors back (a killed one restarted), every pool at its idle counts, new requests served."""
-    c.wait_ready(120, executors=executors)
-    deadline = time.monotonic() + 20
-    while not all(idle(p) for p in pools(c)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    occ = pools(c)
-    assert len(occ) >= executors and all(idle(p) for p in occ), occ
-    outs, _ = burst(c, n=4, max_tokens=4)
-    assert [o["end"] for o in outs] == ["done"] * 4, outs
 
 
 def test_the_cluster_is_separate_processes(cluster):
@@ -203,3 +109,73 @@ def test_restart_the_nats_server(cluster):
     outs, struck = burst(cluster, bounce)
     assert_every_stream_ended_once(outs, struck)
     assert_idle_and_serving(cluster)
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def soak(c: Cluster, seconds: float) -> dict:
+    """Capacity measured closed-loop, then Poisson arrivals at 80% of it for `seconds`: every
+    request ends once, and per third of the run the services' memory and the latency."""
+    import concurrent.futures as cf
+    import random
+    from .faults import stream
+    t0 = time.monotonic()
+    outs, _ = burst(c, n=16, max_tokens=32)
+    capacity = 16 / (max(o["t"] for o in outs) - t0)           # requests per second, saturated
+    rate = 0.8 * capacity
+    rng = random.Random(0)
+    pids = {ch.label: ch.pid for ch in c.all()}
+    samples, results = [], []
+    start = time.monotonic()
+    with cf.ThreadPoolExecutor(64) as ex:
+        futs, i, next_sample = [], 0, start
+        while time.monotonic() - start < seconds:
+            now = time.monotonic()
+            if now >= next_sample:
+                samples.append((now - start, {k: rss_mb(p) for k, p in pids.items()}))
+                next_sample += seconds / 12
+            sent = time.monotonic()
+            futs.append((sent, ex.submit(stream, c.base, i, 32)))
+            i += 1
+            time.sleep(rng.expovariate(rate))
+        for sent, f in futs:
+            o = f.result()
+            results.append((sent - start, o["t"] - sent, o))
+    return {"capacity": capacity, "rate": rate, "samples": samples, "results": results}
+
+
+def check_soak(c: Cluster, r: dict, seconds: float, latency: bool) -> None:
+    ends = [o["end"] for _, _, o in r["results"]]
+    assert ends.count("done") == len(ends), {e: ends.count(e) for e in set(ends)}
+    assert all(o["terminal"] == 1 for _, _, o in r["results"])
+    samples = r["samples"]
+    third = [s for s in samples if s[0] < seconds / 3], [s for s in samples if s[0] >= 2 * seconds / 3]
+    growth = {k: max(m[k] for _, m in third[1]) - max(m[k] for _, m in third[0]) for k in samples[0][1]}
+    print(f"\nsoak: {len(ends)} requests at {r['rate']:.1f}/s (80% of {r['capacity']:.1f}/s); RSS growth MB "
+          f"first third -> last: {({k: round(v, 1) for k, v in growth.items()})}")
+    # no growth: past warm-up, a process's peak memory in the last third stays within 5% (+16 MB of
+    # allocator noise) of its peak in the first
+    for k, g in growth.items():
+        first = max(m[k] for _, m in third[0])
+        assert g <= 0.05 * first + 16, (k, round(first), round(g))
+    assert_idle_and_serving(c)
+    if latency:
+        lat = [(t, d) for t, d, _ in r["results"]]
+        early = sorted(d for t, d in lat if t < seconds / 3)
+        late = sorted(d for t, d in lat if t >= 2 * seconds / 3)
+        p50 = lambda xs: xs[len(xs) // 2]
+        print(f"latency p50: first third {p50(early):.2f} s, last third {p50(late):.2f} s")
+        assert p50(late) <= 1.5 * p50(early)
+
+
+def test_soak_short(cluster):
+    """The default suite's variant: 30 s at 80% of capacity (asserts on ends, memory and pages)."""
+    check_soak(cluster, soak(cluster, 30), 30, latency=False)
+
+
+@pytest.mark.slow
+def test_soak_10_minutes(cluster):
+    check_soak(cluster, soak(cluster, 600), 600, latency=True)

@@ -198,7 +198,7 @@ def _human(key: str, v) -> str:
 def cmd_bench(a: argparse.Namespace) -> int:
     import json
     from radixflow.services.bench.common import resolve_model
-    model = resolve_model(a.model or ("tiny-dense" if a.which in ("shared-prefix", "scaling") else "tiny-hybrid")) \
+    model = resolve_model(a.model or ("tiny-dense" if a.which in ("shared-prefix", "scaling", "routing") else "tiny-hybrid")) \
         if a.which not in ("program", "sampler", "kernels") else None
     if a.which == "decode":
         from radixflow.services.bench.decode import run_decode
@@ -222,6 +222,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
     elif a.which == "kernels":
         from radixflow.services.bench.kernels import run_kernels
         out = run_kernels(interpret=a.interpret)
+    elif a.which == "routing":
+        from radixflow.services.bench.routing import run_routing
+        out = run_routing(model, [int(x) for x in a.executors.split(",")], a.preambles, a.calls, a.preamble, a.suffix,
+                          a.output_tokens)
     elif a.which == "sampler":
         from radixflow.services.bench.sampler import run_sampler
         out = run_sampler(batch=a.rows, vocab=a.vocab, repeats=a.repeats)
@@ -296,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_memory)
     p = sub.add_parser("bench", help="benchmarks, each beside its baseline in one run")
-    p.add_argument("which", help="decode | latency | shared-prefix | scaling | structured | mixed | program | sampler | schemas | serve | kernels")
+    p.add_argument("which", help="decode | latency | shared-prefix | scaling | structured | mixed | program | sampler | schemas | serve | kernels | routing")
     p.add_argument("dir", nargs="?", help="schemas: a directory of *.json JSON Schemas")
     p.add_argument("--model", default=None, help="a preset (tiny-dense, tiny-hybrid) or a model directory "
                                                  "(default: tiny-dense for shared-prefix, both for program "
@@ -317,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="shared-prefix, scaling: the executor's compute dtype (the floor uses its GEMM peak)")
     p.add_argument("--first-alone", action="store_true", help="shared-prefix: send the first request before the rest")
+    p.add_argument("--executors", default="2,4", help="routing: comma-separated executor counts")
+    p.add_argument("--preambles", type=int, default=4, help="routing: distinct agent preambles")
+    p.add_argument("--calls", type=int, default=16, help="routing: calls per preamble in each of two waves")
     p.add_argument("--batch", default="1,16", help="decode: comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)

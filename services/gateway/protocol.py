@@ -258,6 +258,8 @@ def chat_messages(b: ChatBody) -> list[ChatMessage]:
         if m.role not in ("system", "user", "assistant", "tool", "developer"):
             raise BadRequest(f"messages[{i}].role {m.role!r} is not one of system, user, assistant, tool, developer",
                              param="messages")
+        if m.content is None and m.role != "assistant":     # as OpenAI: only an assistant turn may omit it
+            raise BadRequest(f"messages[{i}].content is required for role {m.role!r}", param="messages")
         if isinstance(m.content, list):
             parts = []
             for p in m.content:

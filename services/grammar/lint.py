@@ -67,6 +67,8 @@ from typing import Any
 
 
 
+from radixflow.shared.errors import BadRequest
+
 from .drafts import to_2020
 from .merge import Unsupported
 from .normalize import child_path, normalize, subschemas
@@ -256,6 +258,35 @@ def _check_servable(schema: dict) -> None:
         if isinstance(node.get("$ref"), str) and not node["$ref"].startswith("#"):
             raise _reject("$ref", path, "only references within the schema ('#', '#/...', '#anchor') are "
                           f"supported, got {node['$ref']!r}")
+        _check_ref_cycle(schema, node, path)
+
+
+_ANNOTATIONS = {"$ref", "title", "description", "$comment", "default", "examples", "deprecated", "readOnly",
+                "writeOnly"}
+
+
+def _check_ref_cycle(root: dict, node: dict, path: str) -> None:
+    """A schema that is only a reference to a schema that is only a reference ... back to itself
+    ({"$ref": "#"} at the root) describes nothing: no value is ever produced by it. 400, instead of
+    a grammar that accepts no text or anything."""
+    seen = set()
+    while isinstance(node, dict) and isinstance(node.get("$ref"), str) and set(node) <= _ANNOTATIONS:
+        ref = node["$ref"]
+        if not (ref == "#" or ref.startswith("#/")):
+            return                      # an anchor: normalize resolves it, and checks it
+        if ref in seen:
+            raise BadRequest(f"the $ref {ref!r} at {path} only refers back to itself: no value satisfies it",
+                             param="response_format")
+        seen.add(ref)
+        node = root
+        for part in ref[2:].split("/") if ref != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            elif isinstance(node, dict) and part in node:
+                node = node[part]
+            else:
+                return                  # does not resolve: normalize says so
 
 
 def _relax(schema: dict) -> bool:

@@ -32,6 +32,7 @@ from .detok import Detokenizer
 from .programs import ProgramDriver
 from .siblings import Siblings, child_rid
 from .structured import OutputCheck, check_constraint
+from .routing import Candidate, Router
 from .stops import StopMatcher
 from .table import RequestTable, Tracked, namespace_of
 from .tenants import RETRY_AFTER_S, TenantLedger, Ticket
@@ -59,6 +60,7 @@ class SchedulerService(Actor):
         self.resampled_total = 0                    # structured outputs sampled again after a failed check
         self.retried_total = 0                      # requests moved off a dead executor before their first token
         self.tenants = TenantLedger()
+        self.router = Router(config.routing, config.route_load_tokens)
         # latency as clients see it, up to this service: from acceptance to the first output, between
         # outputs (per token), to the end
         self.ttft = Histogram("time_to_first_token_seconds")
@@ -119,20 +121,26 @@ class SchedulerService(Actor):
         return live
 
     async def place(self, live: list[ExecutorState], namespace: str, ids: list[int]) -> ExecutorState:
-        """Cache-aware placement: the executor holding the longest prefix, then the least loaded.
-        With one executor there is nothing to ask; if radix cannot answer, load alone decides."""
-        load = lambda e: (e.inflight, e.info.running + e.info.waiting)
+        """Cache-aware placement (routing.py): the cached prefix each executor would reuse, as radix
+        knows it, weighed against its load. With one executor there is nothing to ask; if radix
+        cannot answer, what this scheduler routed recently and the load decide."""
         if len(live) == 1:
             return live[0]
-        try:
-            reply = await self.bus.request(subjects.RADIX_PLACE, RadixPlace(
-                namespace=namespace, token_ids=ids, pools=[e.instance for e in live]), RadixPlaceReply, timeout=2,
-                idempotent=True)
-            cached = reply.cached_tokens
-        except RadixflowError as e:
-            self.log.warning("placement without radix", error=e.message)
-            cached = {}
-        return min(live, key=lambda e: (-cached.get(e.instance, 0), *load(e)))
+        cached: dict[str, int] = {}
+        if self.router.policy != "round_robin":
+            try:
+                reply = await self.bus.request(subjects.RADIX_PLACE, RadixPlace(
+                    namespace=namespace, token_ids=ids, pools=[e.instance for e in live]), RadixPlaceReply,
+                    timeout=2, idempotent=True)
+                cached = reply.cached_tokens
+            except RadixflowError as e:
+                self.log.warning("placement without radix", error=e.message)
+        # load: what this scheduler sent there and has not seen end, or the executor's own queue
+        # (its beat, which counts every scheduler's requests), whichever is more
+        name = self.router.pick([Candidate(e.instance, cached.get(e.instance, 0),
+                                           max(e.inflight, e.info.running + e.info.waiting)) for e in live],
+                                namespace, ids)
+        return next(e for e in live if e.instance == name)
 
     # ------------------------------------------------------------ intake
 
@@ -534,6 +542,7 @@ class SchedulerService(Actor):
                     st.last_seen = now
                 elif self.executors.get(inst) is st:
                     del self.executors[inst]
+                    self.router.forget(inst)
                     lost = self.table.on_executor(inst)
                     self.log.error("executor stopped responding", executor=inst, requests=len(lost))
                     for t in lost:

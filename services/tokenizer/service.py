@@ -64,6 +64,12 @@ class TokenizerService(Actor):
         return EncodeReply(input_ids=ids)
 
     async def detokenize(self, req: DetokenizeRequest) -> DetokenizeReply:
+        n = self.tok.vocab_size
+        for i, it in enumerate(req.items):
+            if it.ids and not (0 <= min(it.ids) and max(it.ids) < n):
+                raise BadRequest(f"items[{i}].ids: token ids must lie in [0, {n})", param="ids")
+            if not 0 <= it.prefix_offset <= it.read_offset <= len(it.ids) + it.prefix_offset:
+                raise BadRequest(f"items[{i}]: offsets must satisfy 0 <= prefix_offset <= read_offset", param="read_offset")
         return DetokenizeReply(items=detokenize_items(self.tok, req.items))
 
     async def info(self, _: StatusRequest) -> TokenizerInfo:

@@ -1,0 +1,125 @@
+"""compose.yaml is checked, not just shipped (issue 13): against the Compose specification (the
+compose-spec JSON Schema that check-jsonschema vendors), for the invariants the services need, and
+by running each of its services' commands, with their environment, as local processes against a
+local nats-server configured from the file's own NATS config. Docker is not available here."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import yaml
+
+from radixflow.services.cluster import ClusterConfig
+from radixflow.services.stack import ORDER
+from radixflow.shared.natsd import find_binary, free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMPOSE = os.path.join(ROOT, "compose.yaml")
+BIN = os.path.dirname(sys.executable)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    with open(COMPOSE) as f:
+        return yaml.safe_load(f)      # merge keys (<<: *service) resolved
+
+
+def spec_check(path: str) -> subprocess.CompletedProcess:
+    return subprocess.run([os.path.join(BIN, "check-jsonschema"), "--builtin-schema", "vendor.compose-spec", path],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_compose_file_follows_the_compose_specification(tmp_path):
+    ok = spec_check(COMPOSE)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    # the check can fail: a misspelt key is caught
+    bad = tmp_path / "compose.yaml"
+    bad.write_text(open(COMPOSE).read().replace("    healthcheck:", "    helthcheck:", 1))
+    res = spec_check(str(bad))
+    assert res.returncode != 0 and "helthcheck" in res.stdout + res.stderr
+
+
+def nats_conf(compose: dict) -> dict[str, str]:
+    conf = compose["configs"]["nats_conf"]["content"]
+    return dict(re.findall(r"^\s*(\w+):\s*(\S+)\s*$", conf, re.M))
+
+
+def test_compose_layout_matches_the_cluster(compose):
+    svcs = compose["services"]
+    assert set(ORDER) <= set(svcs), set(ORDER) - set(svcs)
+    # NATS: the max_payload `radixflow up` and `up --processes` give it, and a health check
+    assert int(nats_conf(compose)["max_payload"]) == ClusterConfig(model="").max_payload == 8 * 1024 * 1024
+    assert "healthcheck" in svcs["nats"]
+    for name in ORDER:
+        s = svcs[name]
+        assert s["depends_on"]["nats"]["condition"] == "service_healthy", name
+        assert s["depends_on"]["model-init"]["condition"] == "service_completed_successfully", name
+        assert s["command"][:2] == ["service", name], name
+        assert s["restart"] == "unless-stopped", name
+    # executors scale (--scale executor=N): nothing that two containers could not share
+    assert "container_name" not in svcs["executor"] and "ports" not in svcs["executor"]
+    assert "healthcheck" in svcs["gateway"]
+    assert re.search(r'ENTRYPOINT \["radixflow"\]', open(os.path.join(ROOT, "Dockerfile")).read())
+
+
+def test_compose_commands_serve_as_local_processes(compose, models, tmp_path):
+    """Each compose service's own command and environment, as a local process: NATS and the
+    model path mapped to local ones, the executor twice (--scale executor=2). A request goes through."""
+    svcs = compose["services"]
+    conf = tmp_path / "nats.conf"
+    conf.write_text(f"max_payload: {nats_conf(compose)['max_payload']}\n")
+    nport, hport = free_port(), free_port()
+    url = f"nats://127.0.0.1:{nport}"
+
+    def local(x: str) -> str:
+        return (x.replace("nats://nats:4222", url).replace("/models/tiny-hybrid", models["tiny-hybrid"])
+                .replace("0.0.0.0", "127.0.0.1"))
+    procs = [subprocess.Popen([find_binary(), "-a", "127.0.0.1", "-p", str(nport), "-c", str(conf)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)]
+    logs = []
+    try:
+        for name in ORDER:
+            s = svcs[name]
+            argv = [os.path.join(BIN, "radixflow")] + [local(str(a)) for a in s["command"]]
+            if name == "gateway":
+                argv[argv.index("--port") + 1] = str(hport)
+            env = dict(os.environ) | {k: local(str(v)) for k, v in s.get("environment", {}).items()}
+            for i in range(2 if name == "executor" else 1):
+                log = open(tmp_path / f"{name}-{i}.log", "wb")
+                logs.append(log.name)
+                procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        base = f"http://127.0.0.1:{hport}"
+        deadline = time.monotonic() + 240
+        executors = []
+        while time.monotonic() < deadline and len(executors) < 2:
+            assert all(p.poll() is None for p in procs), [open(f).read()[-1500:] for f in logs]
+            try:
+                with urllib.request.urlopen(base + "/v1/memory", timeout=5) as r:
+                    executors = [e for e in json.loads(r.read())["executors"] if e.get("occupancy")]
+            except OSError:
+                pass
+            time.sleep(1)
+        assert len(executors) == 2, "the compose layout never served with two executors"
+        with urllib.request.urlopen(base + "/health", timeout=10) as r:
+            assert r.status == 200
+        body = json.dumps({"text": "hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).encode()
+        req = urllib.request.Request(base + "/generate", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out = json.loads(r.read())
+        assert len(out["output_ids"]) == 4
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
