@@ -62,7 +62,8 @@ class SchedulerConfig:
     max_program_tokens: int = 2_000_000   # programs: own text plus generation budget of every node
     local_detokenize: bool = True     # decode outputs in process when the model's tokenizer is readable here
     routing: str = "cache_aware"      # cache_aware | round_robin | cache_first (scheduler/routing.py)
-    route_load_tokens: int = 256      # cache_aware: a request in flight weighs like this many tokens to prefill
+    route_load_tokens: int = 128      # cache_aware: a request in flight weighs like this many tokens to prefill
+                                      # (bench routing: 128 computed each preamble once at even load; 256 twice as often)
     stall_check_s: float = 5.0        # a request silent this long: ask its executor whether it still runs it
                                       # (an output lost to a NATS reconnect ends it with a clear error)
     max_resamples: int = 3            # structured output: a finished output that fails its check is

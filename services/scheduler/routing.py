@@ -47,7 +47,7 @@ class Candidate:
 
 
 class Router:
-    def __init__(self, policy: str = "cache_aware", load_tokens: int = 256):
+    def __init__(self, policy: str = "cache_aware", load_tokens: int = 128):
         if policy not in ("cache_aware", "round_robin", "cache_first"):
             raise ValueError(f"unknown routing policy {policy!r}: cache_aware | round_robin | cache_first")
         self.policy = policy

@@ -186,6 +186,8 @@ class SchedulerService(Actor):
             grammar_key, check = await self.compile(req.constraint)
             namespace = namespace_of(req.cache_scope or req.tenant, req.cache_salt)
             ex = await self.place(live, namespace, ids)
+            # counted at once: a burst's placements run concurrently, and each must see the others
+            ex.inflight += req.n == 1
             deadline = time.monotonic() + self.cfg.request_timeout_s
             start = min(req.logprob_start, len(ids) - 1) if req.logprob_start >= 0 else -1   # past the end: the last
             exec_req = ExecRequest(rid=req.rid, input_ids=ids, sampling=req.sampling, namespace=namespace,
@@ -196,7 +198,7 @@ class SchedulerService(Actor):
                     rid=req.rid, stream_subject=req.stream_subject, executor=ex.instance, prompt_tokens=len(ids),
                     sampling=req.sampling, deadline=deadline, stream=req.stream, check=check, ticket=ticket,
                     json=req.json_stream,
-                    prompt_ids=ids[start:] if start >= 0 else []))
+                    prompt_ids=ids[start:] if start >= 0 else []), reserved=True)
             else:
                 await self._fan_out(ex, req, exec_req, check, deadline, ticket)
         finally:
