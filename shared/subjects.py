@@ -26,6 +26,7 @@
     rf.<service>.status            req/reply      StatusRequest -> StatusReply (any one instance answers)
     rf.<service>.<id>.ping         req/reply      StatusRequest -> StatusReply (that instance: is it alive?)
     rf.executor.<id>.live          req/reply      LiveQuery -> LiveReply (which of these requests it still runs)
+    rf.executor.<id>.replay        req/reply      Replay -> Replayed (a request's outputs from an offset: a lost one)
     rf.scheduler.<id>.live         req/reply      LiveQuery -> LiveReply (which of these requests, programs it owns)
     rf.heartbeat.<service>         publish        Heartbeat
 """
@@ -64,6 +65,10 @@ def ping(service: str, instance: str) -> str:
 
 def live(service: str, instance: str) -> str:
     return f"rf.{service}.{instance}.live"
+
+
+def replay(instance: str) -> str:
+    return f"rf.executor.{instance}.replay"
 
 
 def heartbeat(service: str) -> str:

@@ -101,6 +101,24 @@ def test_sigterm_drains_the_scheduler(cluster):
     assert_idle_and_serving(cluster)
 
 
+def test_kill_9_the_scheduler(cluster):
+    # its streams end with a 503 (the gateway misses its beats); its requests' executors abort them
+    # (they miss its beats too), so the pools come back to idle
+    outs, struck = burst(cluster, lambda: cluster.signal("scheduler", signal.SIGKILL), max_tokens=320)
+    assert_every_stream_ended_once(outs, struck)
+    assert_idle_and_serving(cluster)
+
+
+@pytest.mark.parametrize("service", ["tokenizer", "grammar", "radix", "gateway"])
+def test_sigterm_drains_every_other_service(cluster, service):
+    outs, struck = burst(cluster, lambda: cluster.signal(service, signal.SIGTERM), max_tokens=320)
+    assert_every_stream_ended_once(outs, struck)
+    ends = [o["end"] for o in outs]
+    # streams already running need none of these services again but the gateway, which drains them
+    assert ends.count("done") == N, ends
+    assert_idle_and_serving(cluster)
+
+
 def test_restart_the_nats_server(cluster):
     def bounce():
         cluster.nats.stop()

@@ -194,3 +194,40 @@ def test_radixflow_up_serves_and_drains_on_sigterm(models, tmp_path):
         if p.poll() is None:
             p.kill()
         log.close()
+
+
+async def test_a_lost_output_is_fetched_again_from_the_executor(nats, models):
+    """NATS delivers at most once: a StepOutput lost on the way (dropped here at the scheduler's
+    intake, as a reconnect would) shows as an offset gap, and the scheduler fetches the missing
+    tokens from the executor (rf.executor.<id>.replay) instead of failing the request."""
+    from radixflow.shared.messages import Replay, Replayed
+    st = await start(nats, models)
+    bus = Bus("probe", BusConfig(nats_url=nats.url))
+    await bus.connect()
+    try:
+        body = {"text": "a story", "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
+        code, want = await post(st.base, "/generate", body)
+        assert code == 200
+        ex, sched = st.actors["executor"], st.actors["scheduler"]
+        # the executor answers a replay from any offset, after the request ended too
+        r = await bus.request(subjects.replay(ex.instance), Replay(rid=want["meta_info"]["id"], offset=5), Replayed)
+        assert r.found and r.token_ids == want["output_ids"][5:]
+        route = next(r for r in sched._routes if r.subject == sched.output_subject)
+        intake, dropped = route.fn, []
+
+        async def lossy(step):
+            if not dropped and any(o.token_ids and o.offset >= 3 and not o.finished for o in step.outputs):
+                dropped.append(step)
+                return
+            await intake(step)
+        route.fn = lossy
+        try:
+            code, got = await post(st.base, "/generate", body | {"stream": False})
+        finally:
+            route.fn = intake
+        assert dropped and code == 200
+        assert got["output_ids"] == want["output_ids"] and got["text"] == want["text"]
+        assert sched.replayed_total >= len(dropped[0].outputs[0].token_ids)
+    finally:
+        await bus.close()
+        await st.stop()

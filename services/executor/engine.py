@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import msgspec
@@ -30,6 +31,7 @@ from .sampler import has_penalties
 from .sequence import Sequence, Status
 
 _log = log.get("executor")
+FINISHED_KEEP = 2048     # finished requests whose outputs a replay can still return
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ class Engine:
         self._discards: set[str] = set()
         self._hints: list[CacheHints] = []
         self._live: dict[str, Sequence] = {}
+        self.finished_outputs: OrderedDict[str, tuple] = OrderedDict()
         self._last_arrival = 0.0
         self._radix_down_since = 0.0
         self.steps = 0
@@ -430,9 +433,14 @@ class Engine:
 
     def _finish(self, seq: Sequence, new: list[int]) -> tuple[str, SeqOutput]:
         self.batcher.finish(seq)
+        subject, out = self._output(seq, new)
         with self._lock:
             self._live.pop(seq.rid, None)
-        subject, out = self._output(seq, new)
+            # what it reported, for a replay if an output is lost on the way (service.replay)
+            self.finished_outputs[seq.rid] = (seq.output_ids[:seq.reported], seq.logprobs[:seq.reported],
+                                              seq.top_logprobs[:seq.reported])
+            while len(self.finished_outputs) > FINISHED_KEEP:
+                self.finished_outputs.popitem(last=False)
         out.finished, out.finish_reason, out.matched_stop = True, seq.finish_reason, seq.matched_stop
         out.input_logprobs, out.input_top_logprobs = seq.input_logprobs, seq.input_top_logprobs
         return subject, out

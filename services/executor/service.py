@@ -24,7 +24,8 @@ from radixflow.shared.actor import Actor
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import ExecutorConfig, ServiceConfig
 from radixflow.shared.messages import (AbortRequest, CacheHints, ExecAccepted, ExecRequest, ExecutorInfo, Heartbeat,
-                                       LiveQuery, LiveReply, MemoryReply, Sample, SeqOutput, StatusRequest, StepOutput)
+                                       LiveQuery, LiveReply, MemoryReply, Replay, Replayed, Sample, SeqOutput,
+                                       StatusRequest, StepOutput)
 
 from .engine import Engine, EngineConfig
 from .grammars import GrammarStore
@@ -54,6 +55,7 @@ class ExecutorService(Actor):
         self.route(subjects.heartbeat("scheduler"), Heartbeat, self.on_scheduler_heartbeat, drain_last=True)
         self.route(subjects.MEMORY, StatusRequest, self.memory, drain_last=True)
         self.route(subjects.live(self.service, self.instance), LiveQuery, self.live, drain_last=True)
+        self.route(subjects.replay(self.instance), Replay, self.replay, drain_last=True)
         self._ended: dict[str, float] = {}          # rid -> when its last output was published
         self.draining = False
         self._owner: dict[str, str] = {}            # rid -> output subject (its scheduler)
@@ -171,6 +173,19 @@ class ExecutorService(Actor):
         with e._lock:
             known = set(e._live) | {s.rid for s in e._new}
         return LiveReply(rids=[r for r in q.rids if r in known or r in self._ended])
+
+    async def replay(self, q: Replay) -> Replayed:
+        """A request's outputs from `q.offset` on, up to what was reported (a scheduler lost some to
+        a NATS reconnect): from the running sequence, or one that ended moments ago."""
+        e = self.engine
+        with e._lock:
+            seq = e._live.get(q.rid)
+            got = (seq.output_ids[:seq.reported], seq.logprobs[:seq.reported], seq.top_logprobs[:seq.reported]) \
+                if seq is not None else e.finished_outputs.get(q.rid)
+        if got is None or q.offset < 0:
+            return Replayed(found=False)
+        ids, lps, tops = got
+        return Replayed(found=True, token_ids=ids[q.offset:], logprobs=lps[q.offset:], top_logprobs=tops[q.offset:])
 
     def _prune_ended(self) -> None:
         now = time.monotonic()

@@ -23,7 +23,7 @@ from radixflow.shared.histogram import Histogram
 from radixflow.shared.messages import (AbortRequest, Accepted, Constraint,
                                        DetokItem, EncodeReply, EncodeRequest, ExecAccepted, ExecRequest, ExecutorInfo,
                                        GenerateRequest, GrammarCompile, GrammarCompiled, Heartbeat, LiveQuery, LiveReply,
-                                       ProgramQuery,
+                                       ProgramQuery, Replay, Replayed, SeqOutput,
                                        ProgramRequest, RadixPlace, RadixPlaceReply, Sample, StatusReply, StatusRequest, StepOutput,
                                        StreamChunk, StreamError, TokenizerInfo, Usage)
 from radixflow.shared.validate import check_request
@@ -59,6 +59,7 @@ class SchedulerService(Actor):
         self.siblings: dict[str, Siblings] = {}     # rid of a request with n > 1 -> its children
         self.resampled_total = 0                    # structured outputs sampled again after a failed check
         self.retried_total = 0                      # requests moved off a dead executor before their first token
+        self.replayed_total = 0                     # output tokens fetched again after a lost output
         self.tenants = TenantLedger()
         self.router = Router(config.routing, config.route_load_tokens)
         # latency as clients see it, up to this service: from acceptance to the first output, between
@@ -97,7 +98,8 @@ class SchedulerService(Actor):
     def metrics(self) -> list[Sample]:
         return [Sample(name="requests_inflight", value=len(self.table)),
                 Sample(name="structured_resamples_total", value=self.resampled_total),
-                Sample(name="requests_retried_total", value=self.retried_total)] + self.programs.metrics() \
+                Sample(name="requests_retried_total", value=self.retried_total),
+                Sample(name="output_tokens_replayed_total", value=self.replayed_total)] + self.programs.metrics() \
             + self.tenants.samples() + self.ttft.samples() + self.itl.samples() + self.e2e.samples()
 
     # ------------------------------------------------------------ executors
@@ -296,9 +298,11 @@ class SchedulerService(Actor):
         now = time.monotonic()
         gaps = [(t, o) for t, o in live if o.offset != len(t.output_ids)]
         for t, o in gaps:
-            # an earlier output of it was lost (NATS delivers at most once): its text has a hole
-            await self._fail(t, 502, "stream_gap", f"output lost in transit: expected token {len(t.output_ids)}, "
-                             f"got {o.offset} from executor {step.executor}", abort=not o.finished)
+            # an earlier output of it was lost (NATS delivers at most once): ask its executor for
+            # the missing tokens; only if it cannot say does the request fail
+            if not await self._fill_gap(t, o, step.executor):
+                await self._fail(t, 502, "stream_gap", f"output lost in transit: expected token {len(t.output_ids)}, "
+                                 f"got {o.offset} from executor {step.executor}", abort=not o.finished)
         if gaps:
             live = [(t, o) for t, o in live if o.offset == len(t.output_ids)]
         for t, o in live:
@@ -359,6 +363,24 @@ class SchedulerService(Actor):
                 await self._send(t, t.take(text))
         for ex, rids in stopped.items():
             await self.bus.publish(subjects.executor_abort(ex), AbortRequest(rids=rids))
+
+    async def _fill_gap(self, t: Tracked, o: SeqOutput, executor: str) -> bool:
+        have = len(t.output_ids)
+        if o.offset < have:
+            return False          # a repeat or a reordering: nothing here explains it
+        try:
+            r = await self.bus.request(subjects.replay(executor), Replay(rid=t.rid, offset=have), Replayed,
+                                       timeout=2, idempotent=True)
+        except RadixflowError:
+            return False
+        if not r.found or len(r.token_ids) < o.offset - have:
+            return False
+        n = o.offset - have
+        t.output_ids.extend(r.token_ids[:n])
+        t.logprobs.extend(r.logprobs[:n])
+        t.top_logprobs.extend(r.top_logprobs[:n])
+        self.replayed_total += n
+        return True
 
     async def _send(self, t: Tracked, item: StreamChunk | StreamError) -> None:
         if t.sink is not None:

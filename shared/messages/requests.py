@@ -215,6 +215,19 @@ class SeqOutput(Msg):
     top_logprobs: list[TopLogprobs] = []   # sampling.top_logprobs > 0: one per token in token_ids
 
 
+class Replay(Msg):
+    """A scheduler saw a gap in a request's outputs (SeqOutput.offset): the tokens from `offset` on."""
+    rid: str
+    offset: int
+
+
+class Replayed(Msg):
+    found: bool                       # False: the executor no longer has the request's outputs
+    token_ids: list[int] = []         # output tokens from the asked offset (up to what was sent)
+    logprobs: list[float] = []
+    top_logprobs: list[TopLogprobs] = []
+
+
 class StepOutput(Msg):
     """All outputs of one executor step for one scheduler: one message per step, never one per token."""
     executor: str
