@@ -57,6 +57,10 @@ def _serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-overlap", action="store_true", default=None,
                    help="wait for each step's exchange with radix before computing (default: it travels while "
                         "the step computes, and its admissions join the next step)")
+    p.add_argument("--decode-reserve", type=int, default=None,
+                   help="output tokens whose KV pages are reserved at admission (default 0: all of max_new_tokens); "
+                        "N > 0: requests grow page by page and are preempted (recomputed later, mostly from the "
+                        "cache) when the pool runs out, so more of them run at once")
     p.add_argument("--state-slots", type=int, default=None, help="hybrid models: DeltaNet state slots")
     p.add_argument("--checkpoint-interval", type=int, default=None,
                    help="hybrid models: checkpoint long prefills every N tokens (default: at chunk boundaries)")
@@ -77,6 +81,7 @@ def _overrides(a: argparse.Namespace) -> dict:
                 ex_max_prefill_tokens=a.max_prefill_tokens,
                 ex_mixed_chunk_tokens=a.mixed_chunk_tokens, ex_max_model_len=a.max_model_len,
                 ex_disable_radix_cache=a.disable_radix_cache, ex_state_slots=a.state_slots,
+                ex_decode_reserve=a.decode_reserve,
                 ex_overlap=False if a.disable_overlap else None,
                 ex_checkpoint_interval=a.checkpoint_interval, gw_host=a.host, gw_port=a.port,
                 gw_api_keys=tuple(a.api_key) if a.api_key else None, gw_auth_file=a.auth_file, sc_request_timeout_s=a.request_timeout,

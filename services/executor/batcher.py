@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from radixflow.shared.messages import Candidate, Demote, Grant, Progress, RadixStep, Release
+from radixflow.shared.messages import Candidate, Demote, Grant, Grow, Progress, RadixStep, Release
 
 from .sequence import Sequence, Status
 
@@ -40,7 +40,7 @@ class Plan:
 class Batcher:
     def __init__(self, *, pool: str, max_running: int, max_prefill_tokens: int, mixed_chunk_tokens: int = 0,
                  max_candidates: int = 128,
-                 max_candidate_tokens: int = candidate_tokens(1 << 17)):
+                 max_candidate_tokens: int = candidate_tokens(1 << 17), decode_reserve: int = 0):
         self.pool = pool
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
@@ -53,6 +53,8 @@ class Batcher:
         self.releases: list[Release] = []
         self.unpins: list[str] = []          # programs' cache hints, sent after the releases that pinned
         self.demotes: list[Demote] = []
+        self.grows: list[Grow] = []          # running requests that need more pages (decode_reserve)
+        self.decode_reserve = decode_reserve
         self._retry = False      # something changed since the last deferral: worth asking again
         self._unasked = False    # the last message left waiting requests out (its size cap): ask again
 
@@ -61,7 +63,7 @@ class Batcher:
         self._retry = True
 
     def has_work(self) -> bool:
-        return bool(self.running or self.progress or self.releases or self.unpins or self.demotes
+        return bool(self.running or self.progress or self.releases or self.unpins or self.demotes or self.grows
                     or (self.waiting and self._retry))
 
     # ------------------------------------------------------------ the radix exchange
@@ -85,18 +87,50 @@ class Batcher:
                     break
                 tokens += len(s.tokens)
                 cands.append(Candidate(rid=s.rid, namespace=s.namespace, token_ids=s.tokens,
-                                       reserve=s.sampling.max_new_tokens, checkpoint_at=s.checkpoint_at,
+                                       reserve=self.reserve(s), checkpoint_at=s.checkpoint_at,
                                        priority=s.priority, quota_pages=s.quota_pages,
                                        max_cached=max(s.logprob_start - 1, 0) if s.logprob_start >= 0 else -1))
         self._unasked = bool(cands) and len(cands) < min(len(self.waiting) - held, slots)
-        if not (cands or self.progress or self.releases or self.unpins or self.demotes):
+        if not (cands or self.progress or self.releases or self.unpins or self.demotes or self.grows):
             return None
-        busy = sum(s.prompt_len - s.computed_len for s in self.running if s.computed_len < s.prompt_len)
+        busy = sum(s.prefill_len - s.computed_len for s in self.running if s.computed_len < s.prefill_len)
         msg = RadixStep(pool=self.pool, budget=max(self.max_prefill_tokens - busy, 0), max_admit=slots,
                         candidates=cands, progress=self.progress, releases=self.releases, unpins=self.unpins,
-                        demotes=self.demotes)
-        self.progress, self.releases, self.unpins, self.demotes = [], [], [], []
+                        demotes=self.demotes, grows=self.grows)
+        self.progress, self.releases, self.unpins, self.demotes, self.grows = [], [], [], [], []
         return msg
+
+    def reserve(self, s: Sequence) -> int:
+        """Output tokens to reserve pages for at admission: all it may still generate, or with
+        decode_reserve > 0 at most that many (it grows page by page, and is preempted if it cannot)."""
+        left = s.sampling.max_new_tokens - s.num_output
+        return left if self.decode_reserve <= 0 else min(left, self.decode_reserve)
+
+    def ask_growth(self, page_size: int, ahead: int) -> None:
+        """Decoding sequences within `ahead` tokens of the end of their pages ask for more, in time."""
+        for s in self.running:
+            if s.growing or s.computed_len < s.prefill_len:
+                continue
+            have = len(s.pages) * page_size
+            want = min(len(s.tokens) + ahead, s.max_len)
+            if want > have:
+                s.growing = True
+                self.grows.append(Grow(rid=s.rid, pages=-(-(want - have) // page_size)))
+
+    def preempt(self, seq: Sequence) -> None:
+        """Out of the pool mid-generation: back to waiting, first in line, with every token it has.
+        Its release caches what it computed, so its next admission mostly reuses that."""
+        self.running.remove(seq)
+        self.releases.append(Release(rid=seq.rid, output_ids=seq.tokens[seq.prefill_len:], computed=seq.computed_len,
+                                     tail=seq.tail_pos))
+        seq.resume_len = len(seq.tokens)
+        seq.logprob_start = -1       # its prompt logprobs were collected by its first prefill
+        seq.status = Status.WAITING
+        seq.pages, seq.slots, seq.cached_len, seq.computed_len = [], None, 0, 0
+        seq.state_slot, seq.restore_slot, seq.tail_slot, seq.tail_pos = -1, -1, -1, 0
+        seq.state_ready, seq.checkpoints, seq.draft, seq.growing = False, {}, [], False
+        self.waiting.appendleft(seq)
+        self._retry = True
 
     def apply(self, grants: list[Grant], retry: bool) -> list[Sequence]:
         by_rid = {s.rid: s for s in self.waiting}
@@ -104,7 +138,7 @@ class Batcher:
         for g in grants:
             seq = by_rid[g.rid]
             self.waiting.remove(seq)
-            seq.pages, seq.cached_len, seq.computed_len = g.pages, g.cached_tokens, g.cached_tokens
+            seq.pages, seq.cached_len, seq.computed_len = list(g.pages), g.cached_tokens, g.cached_tokens
             seq.state_slot, seq.restore_slot, seq.tail_slot = g.state_slot, g.restore_slot, g.tail_slot
             seq.checkpoints = dict(zip(g.checkpoints, g.checkpoint_slots))
             seq.status = Status.RUNNING
@@ -120,7 +154,7 @@ class Batcher:
 
     def schedule(self) -> Plan | None:
         prefill, budget = [], self.max_prefill_tokens
-        decoding = [s for s in self.running if s.computed_len >= s.prompt_len]
+        decoding = [s for s in self.running if s.computed_len >= s.prefill_len]
         mixed = bool(self.mixed_chunk_tokens and decoding and len(decoding) < len(self.running))
         if mixed:
             # chunked prefill beside decode rows: the step's tokens stay within the mixed budget (its
@@ -128,10 +162,10 @@ class Batcher:
             # bounded step per token, not a whole prompt's prefill
             budget = max(min(self.mixed_chunk_tokens, budget) - len(decoding), 1)
         for s in self.running:
-            if s.computed_len < s.prompt_len and budget > 0:
+            if s.computed_len < s.prefill_len and budget > 0:
                 # planned checkpoints inside the chunk do not cut it: the model copies the state out
                 # where they fall (ForwardBatch.taps)
-                n = min(s.prompt_len - s.computed_len, budget)
+                n = min(s.prefill_len - s.computed_len, budget)
                 prefill.append((s, n))
                 budget -= n
         if prefill and mixed:
@@ -152,7 +186,7 @@ class Batcher:
         if seq in self.running:
             self.running.remove(seq)
             pin = seq.pin if seq.finish_reason in ("stop", "length") else ""
-            self.releases.append(Release(rid=seq.rid, output_ids=seq.output_ids, computed=seq.computed_len,
+            self.releases.append(Release(rid=seq.rid, output_ids=seq.tokens[seq.prefill_len:], computed=seq.computed_len,
                                          tail=seq.tail_pos, pin=pin, pin_ttl_s=seq.pin_ttl_s, discard=seq.discard))
             self._retry = True
         elif seq in self.waiting:
@@ -166,12 +200,18 @@ class Batcher:
         self.progress = msg.progress + self.progress
         self.unpins = msg.unpins + self.unpins
         self.demotes = msg.demotes + self.demotes
+        for g in msg.grows:        # asked again at the next step
+            seq = next((s for s in self.running if s.rid == g.rid), None)
+            if seq is not None:
+                seq.growing = False
         self._retry = self._retry or bool(msg.candidates)
 
     def rejoined(self, again: list[Sequence]) -> None:
         """After registering again with a restarted authority: nothing owed to the old one is sent,
         and `again` (running, but nothing computed of their own) wait for new grants, first."""
-        self.progress, self.releases, self.unpins, self.demotes = [], [], [], []
+        self.progress, self.releases, self.unpins, self.demotes, self.grows = [], [], [], [], []
+        for s in self.running:
+            s.growing = False
         for seq in reversed(again):
             self.running.remove(seq)
             seq.status = Status.WAITING
@@ -190,4 +230,5 @@ class Batcher:
         self.releases.clear()
         self.unpins.clear()
         self.demotes.clear()
+        self.grows.clear()
         return lost

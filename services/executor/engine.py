@@ -78,6 +78,11 @@ class EngineConfig:
     warmup_tokens: int = 2048
     # radix unreachable (restarting): waiting requests wait this long for it, then fail
     radix_wait_s: float = 15.0
+    # output tokens whose pages are reserved at admission; 0: every one of max_new_tokens (a
+    # running request never needs a page). > 0: a request grows page by page as it decodes, and
+    # when the pool has none left it is preempted (back to waiting, its computed tokens cached)
+    # and resumes by recomputing them, mostly from the cache
+    decode_reserve: int = 0
 
 
 class Engine:
@@ -106,7 +111,8 @@ class Engine:
         self.pages.register(self._register)
         self.batcher = Batcher(pool=cfg.pool, max_running=cfg.max_running_requests,
                                max_prefill_tokens=cfg.max_prefill_tokens, mixed_chunk_tokens=cfg.mixed_chunk_tokens,
-                               max_candidate_tokens=candidate_tokens(self.spec.vocab_size))
+                               max_candidate_tokens=candidate_tokens(self.spec.vocab_size),
+                               decode_reserve=cfg.decode_reserve)
         self._lock = threading.Lock()
         self._new: list[Sequence] = []
         self._aborts: set[str] = set()
@@ -116,6 +122,7 @@ class Engine:
         self.finished_outputs: OrderedDict[str, tuple] = OrderedDict()
         self._last_arrival = 0.0
         self._radix_down_since = 0.0
+        self.preempted = 0       # sequences sent back to waiting for want of pages (decode_reserve)
         self.steps = 0
         self.mixed_steps = 0     # prefill steps that carried decode rows
         self.overlapped = 0      # exchanges that travelled while a step computed
@@ -217,6 +224,7 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         return dict(self.counters) | {"running": self.num_running, "waiting": self.num_waiting, "steps": self.steps,
+                                      "preempted_total": self.preempted,
                                       "jump_forward_drafted_total": self.runner.drafted,
                                       "jump_forward_kept_total": self.runner.kept}
 
@@ -234,6 +242,9 @@ class Engine:
         """One step; returns (output subject, output) for every sequence that advanced or ended."""
         self._await_burst()
         outs = self._intake()
+        if self.cfg.decode_reserve > 0:
+            # a page ahead (and any draft's length): with overlap the answer comes a step later
+            self.batcher.ask_growth(self.page_size, self.page_size + self.cfg.jump_forward + 1)
         if self.cfg.overlap and self.batcher.running:
             pending = self._send()
             self.overlapped += pending is not None
@@ -252,6 +263,7 @@ class Engine:
 
     def _compute(self) -> list[tuple[str, SeqOutput]]:
         outs = []
+        self._make_room()
         plan = self.batcher.schedule()
         if plan is None:
             return outs
@@ -326,15 +338,40 @@ class Engine:
         self._radix_down_since = 0.0
         started = self.batcher.apply(reply.grants, retry=any(d.reason in ("budget", "shared-prefix")
                                                              for d in reply.deferred))
+        for rid, pages in reply.grown.items():
+            seq = self._live.get(rid)
+            if seq is not None and seq.status == Status.RUNNING and seq.growing:
+                seq.pages = seq.pages + pages
+                seq.slots, seq.growing = None, False
+        for rid in reply.short:
+            seq = self._live.get(rid)
+            if seq is not None:
+                seq.growing = False      # asked again next step: pages may have come back by then
         now = time.monotonic()
         for s in started:
             if s.arrived:
                 self.queue_seconds.observe(now - s.arrived)
                 s.arrived = 0.0
-            self.counters["prompt_tokens_total"] += s.prompt_len
+            # a preempted sequence's resumption counts what it computes again, not a new request
+            self.counters["prompt_tokens_total"] += s.prefill_len
             self.counters["cached_tokens_total"] += s.cached_len
-            self.counters["requests_total"] += 1
+            self.counters["requests_total"] += not s.resume_len
         return []
+
+    def _make_room(self) -> None:
+        """A decoding sequence whose next token has no page (its growth was refused, or has not
+        come back yet) drops its draft; if that is not enough it is preempted."""
+        if self.cfg.decode_reserve <= 0:
+            return
+        for s in list(self.batcher.running):
+            if s.computed_len < s.prefill_len:
+                continue
+            room = len(s.pages) * self.page_size
+            if len(s.tokens) + len(s.draft) > room:
+                s.draft = s.draft[:max(room - len(s.tokens), 0)]
+            if len(s.tokens) > room:
+                self.batcher.preempt(s)
+                self.preempted += 1
 
     def _rejoin(self) -> list[tuple[str, SeqOutput]]:
         """The authority restarted and forgot our pool. What our running requests hold is still here:
@@ -344,7 +381,7 @@ class Engine:
         b = self.batcher
         going = [s for s in b.running if s.computed_len > s.cached_len]
         again = [s for s in b.running if s.computed_len <= s.cached_len]
-        held = [HeldPages(rid=s.rid, namespace=s.namespace, tokens=s.tokens[:s.prompt_len], pages=s.pages,
+        held = [HeldPages(rid=s.rid, namespace=s.namespace, tokens=s.tokens[:s.prefill_len], pages=s.pages,
                           computed=s.computed_len, quota_pages=s.quota_pages, state_slot=s.state_slot,
                           tail_slot=s.tail_slot, checkpoints=list(s.checkpoints), checkpoint_slots=list(s.checkpoints.values()))
                 for s in going]
@@ -367,7 +404,7 @@ class Engine:
         for i, (seq, ext) in enumerate(zip(plan.seqs, plan.extend_lens)):
             new = toks.get(i, [])
             before = seq.computed_len
-            decoding = before >= seq.prompt_len       # a decode step's row, or a decode row of a mixed step
+            decoding = before >= seq.prefill_len      # a decode step's row, or a decode row of a mixed step
             if plan.is_decode:
                 ext = max(len(new), 1)    # the pending token, and each kept draft token, were computed
             seq.computed_len += ext
@@ -385,7 +422,7 @@ class Engine:
                     seq.tail_pos = boundary
             if not decoding:
                 self.counters["prefill_tokens_computed_total"] += ext
-                if self.cache and seq.computed_len <= seq.prompt_len:
+                if self.cache and seq.computed_len <= seq.prefill_len:
                     self.batcher.progress.append(Progress(rid=seq.rid, computed=seq.computed_len))
                 if seq.prefill_only and seq.computed_len == seq.prompt_len:
                     seq.finish("length")
@@ -427,7 +464,7 @@ class Engine:
         # `new` is always output_ids[reported:reported + len(new)]: the logprobs of the same tokens
         start, seq.reported = seq.reported, seq.reported + len(new)
         return seq.output_subject, SeqOutput(rid=seq.rid, token_ids=new, offset=start, prompt_tokens=seq.prompt_len,
-                                             cached_tokens=seq.cached_len,
+                                             cached_tokens=min(seq.cached_len, seq.prompt_len),
                                              logprobs=seq.logprobs[start:seq.reported],
                                              top_logprobs=seq.top_logprobs[start:seq.reported])
 

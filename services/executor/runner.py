@@ -135,7 +135,8 @@ class ModelRunner:
             toks = self.run(Plan(True, seqs, [1, 1]))
 
     def _slots(self, seq) -> torch.Tensor:
-        """Every token slot of a sequence's page table, computed once (pages never change after grant)."""
+        """Every token slot of a sequence's page table, computed once (and again when it grows: the
+        engine clears it)."""
         if seq.slots is None:
             seq.slots = self.kv.token_slots(seq.pages, len(seq.pages) * self.kv.page_size).to(self.device)
         return seq.slots
@@ -161,7 +162,7 @@ class ModelRunner:
         """A prefill step whose last sequences are decode rows, one token each: the rows run through
         the model together, but attention takes the two parts apart (fb.prefill_part, fb.decode_part)
         so that the decode rows keep the decode kernels (one batched read of each shared prefix)."""
-        n = sum(1 for s in plan.seqs if s.computed_len < s.prompt_len)
+        n = sum(1 for s in plan.seqs if s.computed_len < s.prefill_len)
         pre, want, lp = self._build_prefill(Plan(False, plan.seqs[:n], plan.extend_lens[:n]))
         dec = self._build_decode(Plan(True, plan.seqs[n:], [1] * (len(plan.seqs) - n)))
         rows = pre.logits_rows.tolist()

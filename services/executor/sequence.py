@@ -68,6 +68,11 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     penalties: Any = None        # sampler.Penalties: output token counts, kept on the device
+    # preemption (the pool ran out mid-generation): the sequence went back to waiting with every
+    # token it had; on its next admission it computes them all (most from the cache) as if they
+    # were its prompt, then goes on generating
+    resume_len: int = 0          # > 0: tokens it had when preempted
+    growing: bool = False        # more pages asked of radix, not yet answered
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.tokens)
@@ -76,6 +81,11 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.tokens[self.prompt_len:]
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens computed before this admission's first sample: the prompt, or all it had when preempted."""
+        return self.resume_len or self.prompt_len
 
     @property
     def num_output(self) -> int:

@@ -75,6 +75,7 @@ class ExecutorService(Actor):
                             disable_radix_cache=cfg.disable_radix_cache, pool=self.instance,
                             burst_gap_s=cfg.burst_gap_s, burst_wait_s=cfg.burst_wait_s,
                             jump_forward=cfg.jump_forward, overlap=cfg.overlap, radix_wait_s=cfg.radix_wait_s,
+                            decode_reserve=cfg.decode_reserve,
                             state_slots=cfg.state_slots, checkpoint_interval=cfg.checkpoint_interval)
         loop = asyncio.get_running_loop()
         # the grammar engines' tokenizer state first (seconds at a 248k vocab): the Engine registers
@@ -248,6 +249,7 @@ class ExecutorService(Actor):
         st = self.engine.stats()
         names = ("prompt_tokens_total", "cached_tokens_total", "prefill_tokens_computed_total",
                  "generated_tokens_total", "requests_total", "jump_forward_drafted_total", "jump_forward_kept_total",
+                 "preempted_total",
                  "running", "waiting")
         return [Sample(name=n if n.endswith("_total") else f"requests_{n}", value=st[n]) for n in names] \
             + [x for h in (*self.engine.step_seconds.values(), self.engine.queue_seconds) for x in h.samples()]

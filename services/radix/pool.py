@@ -45,7 +45,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from radixflow.shared.messages import (Candidate, Deferred, Demote, Grant, HeldPages, Progress, RadixStep, RadixStepReply,
+from radixflow.shared.messages import (Candidate, Deferred, Demote, Grant, Grow, HeldPages, Progress, RadixStep, RadixStepReply,
                                        Release)
 
 from .tree import Evicted, Node, RadixTree, owner_of
@@ -175,11 +175,29 @@ class PagePool:
         self.unpin(msg.unpins)
         for d in msg.demotes:
             self.demote(d)
+        # running requests before new ones: growth first, then admission from what is left
+        grown, short = {}, []
+        for g in msg.grows:
+            pages = self.grow(g)
+            if pages is None:
+                short.append(g.rid)
+            else:
+                grown[g.rid] = pages
         grants, deferred = self.admit(msg.candidates, msg.budget, msg.max_admit)
         # pages only leave the free list in admit (grants), so its high-water mark is seen here
         self.peak_used = max(self.peak_used, self.num_pages - len(self._free))
-        return RadixStepReply(grants=grants, deferred=deferred, free_pages=self.free_pages,
+        return RadixStepReply(grants=grants, deferred=deferred, grown=grown, short=short, free_pages=self.free_pages,
                               evictable_pages=self.tree.evictable_pages)
+
+    def grow(self, g: Grow) -> list[int] | None:
+        """More pages for a running request (evicting cached ones if need be); None if none can be had."""
+        h = self.held.get(g.rid)
+        if h is None or g.pages <= 0:
+            return None
+        pages = self._alloc(g.pages, h.namespace, h.quota)
+        if pages is not None:
+            h.pages = h.pages + pages     # a new list: in process, the grant's list is the executor's too
+        return pages
 
     def match_len(self, namespace: str, tokens: list[int]) -> int:
         """Cached tokens a request would reuse; at least one prompt token is always computed."""
@@ -207,19 +225,18 @@ class PagePool:
                 # asked again after its grant was lost on the way (a timed-out exchange): the lost
                 # grant's pages go back before it is granted anew
                 self.release(Release(rid=c.rid, output_ids=[], computed=0, discard=True))
-        matches = []
-        for c in cands:
-            # at least the last prompt token is computed (its logits sample the first output token);
-            # prompt logprobs need the logits of every token from max_cached on
-            limit = len(c.token_ids) - 1 if c.max_cached < 0 else min(len(c.token_ids) - 1, c.max_cached)
-            m = self.tree.match(c.namespace, c.token_ids[:limit]) if self.cache and limit > 0 else None
-            usable = 0 if m is None else m.state_len if self.hybrid else m.length
-            matches.append((c, m, usable))
+        matches = [(c, *self._match(c)) for c in cands]
         matches.sort(key=lambda x: (-x[0].priority, -x[2]))
         grants: list[Grant] = []
         deferred: list[Deferred] = []
         blocked = False
+        evictions = lambda: (self.counters["evicted_pages_total"], self.counters["evicted_states_total"])
+        evicted = evictions()
         for c, m, cached in matches:
+            if m is not None and evictions() != evicted:
+                # an earlier grant of this admission evicted cached pages to get its own: this
+                # match may name some of them (freed, and maybe granted already): match again
+                m, cached = self._match(c)
             reason = None
             nxt = self._next_page(c, cached) if self.cache else None
             extend = len(c.token_ids) - cached
@@ -243,6 +260,14 @@ class PagePool:
             if reason is not None:
                 deferred.append(Deferred(rid=c.rid, cached_tokens=cached, reason=reason))
         return grants, deferred
+
+    def _match(self, c: Candidate):
+        """The tree's match for a candidate and the tokens it can reuse (hybrid: up to a checkpoint).
+        At least the last prompt token is computed (its logits sample the first output token);
+        prompt logprobs need the logits of every token from max_cached on."""
+        limit = len(c.token_ids) - 1 if c.max_cached < 0 else min(len(c.token_ids) - 1, c.max_cached)
+        m = self.tree.match(c.namespace, c.token_ids[:limit]) if self.cache and limit > 0 else None
+        return m, 0 if m is None else m.state_len if self.hybrid else m.length
 
     def _grant(self, c: Candidate, m, cached: int, nxt: tuple | None, part: int = 0) -> Grant | None:
         node = m.node if m else self.tree.root(c.namespace)

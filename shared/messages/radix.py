@@ -77,9 +77,15 @@ class Demote(Msg):
     keep: int = 0
 
 
+class Grow(Msg):
+    """A running request needs more pages (it reserved only part of its output at admission)."""
+    rid: str
+    pages: int
+
+
 class RadixStep(Msg):
     """Everything one executor step needs from the radix service, in one message, applied in this
-    order: releases, progress, unpins, demotes, then admission of the candidates."""
+    order: releases, progress, unpins, demotes, growth of running requests, then admission."""
     pool: str
     budget: int                       # prefill tokens the step can still take
     max_admit: int                    # free request slots
@@ -88,6 +94,7 @@ class RadixStep(Msg):
     releases: list[Release] = []
     unpins: list[str] = []            # programs: pins (Release.pin keys) no longer needed
     demotes: list[Demote] = []
+    grows: list[Grow] = []
 
 
 class Grant(Msg):
@@ -111,6 +118,8 @@ class Deferred(Msg):
 class RadixStepReply(Msg):
     grants: list[Grant] = []
     deferred: list[Deferred] = []
+    grown: dict[str, list[int]] = {}  # rid -> the pages added to its page table
+    short: list[str] = []             # growth refused: no page free or evictable (the executor preempts)
     free_pages: int = 0
     evictable_pages: int = 0
 
