@@ -42,8 +42,8 @@ class ExecutorConfig:
     num_threads: int = 0              # torch intra-op threads; 0 = leave torch's default
     orphan_timeout_s: float = 3.5     # a request's scheduler silent this long: abort the request
     radix_wait_s: float = 15.0        # radix unreachable (restarting): waiting requests wait this long, then fail
-    decode_reserve: int = 0           # output tokens reserved at admission (0: all of max_new_tokens); > 0:
-                                      # requests grow page by page and are preempted when the pool runs out
+    decode_reserve: int = 256         # output tokens reserved at admission (0: all of max_new_tokens); past
+                                      # them requests grow page by page, preempted if the pool runs out
     state_slots: int = 0              # hybrid: DeltaNet state slots (0: 2 per running request + 64)
     checkpoint_interval: int = 0      # hybrid: checkpoint long prefills every this many tokens (0: at chunk boundaries)
     burst_gap_s: float = 0.002        # admission waits while requests keep arriving this close together

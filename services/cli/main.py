@@ -58,9 +58,9 @@ def _serving_args(p: argparse.ArgumentParser) -> None:
                    help="wait for each step's exchange with radix before computing (default: it travels while "
                         "the step computes, and its admissions join the next step)")
     p.add_argument("--decode-reserve", type=int, default=None,
-                   help="output tokens whose KV pages are reserved at admission (default 0: all of max_new_tokens); "
-                        "N > 0: requests grow page by page and are preempted (recomputed later, mostly from the "
-                        "cache) when the pool runs out, so more of them run at once")
+                   help="output tokens whose KV pages are reserved at admission (default 256; 0: all of "
+                        "max_new_tokens); past them a request grows page by page, and is preempted (recomputed "
+                        "later, mostly from the cache) if the pool runs out, so more requests run at once")
     p.add_argument("--state-slots", type=int, default=None, help="hybrid models: DeltaNet state slots")
     p.add_argument("--checkpoint-interval", type=int, default=None,
                    help="hybrid models: checkpoint long prefills every N tokens (default: at chunk boundaries)")

@@ -82,7 +82,7 @@ class EngineConfig:
     # running request never needs a page). > 0: a request grows page by page as it decodes, and
     # when the pool has none left it is preempted (back to waiting, its computed tokens cached)
     # and resumes by recomputing them, mostly from the cache
-    decode_reserve: int = 0
+    decode_reserve: int = 256
 
 
 class Engine:
