@@ -231,3 +231,48 @@ async def test_a_lost_output_is_fetched_again_from_the_executor(nats, models):
     finally:
         await bus.close()
         await st.stop()
+
+
+async def test_a_request_of_a_dead_executor_that_streamed_nothing_moves_to_another(nats, models):
+    """Two executors; one holds its requests without computing (its compute loop stopped) and then
+    dies. Its requests had streamed nothing, so the scheduler starts them over on the other one:
+    they succeed, only later."""
+    from radixflow.services.executor.service import ExecutorService
+    st = await start(nats, models, names=tuple(n for n in ORDER if n != "executor"))
+    exs = []
+    try:
+        for _ in range(2):
+            bus = Bus("radixflow-executor", st.cfg.bus)
+            await bus.connect()
+            ex = ExecutorService(bus, st.cfg.executor, st.cfg.service)
+            await ex.start()
+            exs.append(ex)
+        sched = st.actors["scheduler"]
+        for _ in range(40):
+            if len(sched.live_executors()) == 2:
+                break
+            await asyncio.sleep(0.1)
+        stuck, ok = exs
+        stuck._running.clear()          # its compute loop ends: requests sent there wait
+        stuck._wake.set()
+        stuck_load = lambda: sched.executors[stuck.instance].inflight if stuck.instance in sched.executors else 0
+        tasks = []
+        while stuck_load() < 2 and len(tasks) < 12:
+            tasks.append(asyncio.create_task(post(st.base, "/generate", {
+                "text": f"move me {len(tasks)}", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})))
+            await asyncio.sleep(0.05)
+        assert stuck_load() >= 1
+        moved = sched.retried_total
+        await stuck.bus.nc.close()      # it dies
+        for t in stuck._loops.values():
+            t.cancel()
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 15)
+        assert all(code == 200 for code, _ in results), results
+        assert sched.retried_total > moved
+    finally:
+        for ex in exs:
+            ex._running.clear()
+            ex._wake.set()
+        await exs[1].drain(2)
+        await exs[1].stop()
+        await st.stop()
