@@ -51,6 +51,11 @@ def stream(base: str, i: int, max_tokens: int, schema: dict | None = None) -> di
             out["end"] = "error"          # closed without [DONE]: an end, though not a clean one
     except urllib.error.HTTPError as e:    # refused before the stream began: its one terminal event
         out.update(end="error", terminal=1, http=e.code)
+    except urllib.error.URLError as e:
+        if not isinstance(e.reason, ConnectionError):
+            raise
+        # no gateway listening (one restarting): never accepted, so nothing was lost; a clear end
+        out.update(end="error", terminal=1, http=0)
     except Exception:  # noqa: BLE001 (a read timeout: no terminal event)
         pass
     out["t"] = time.monotonic()

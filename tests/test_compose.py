@@ -96,19 +96,19 @@ def test_compose_commands_serve_as_local_processes(compose, models, tmp_path):
                 logs.append(log.name)
                 procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         base = f"http://127.0.0.1:{hport}"
-        deadline = time.monotonic() + 240
-        executors = []
-        while time.monotonic() < deadline and len(executors) < 2:
+        deadline = time.monotonic() + 300
+        executors, healthy = [], False
+        while time.monotonic() < deadline and not (healthy and len(executors) == 2):
             assert all(p.poll() is None for p in procs), [open(f).read()[-1500:] for f in logs]
             try:
                 with urllib.request.urlopen(base + "/v1/memory", timeout=5) as r:
                     executors = [e for e in json.loads(r.read())["executors"] if e.get("occupancy")]
+                with urllib.request.urlopen(base + "/health", timeout=5) as r:   # 503 (an HTTPError) until ready
+                    healthy = r.status == 200
             except OSError:
                 pass
             time.sleep(1)
-        assert len(executors) == 2, "the compose layout never served with two executors"
-        with urllib.request.urlopen(base + "/health", timeout=10) as r:
-            assert r.status == 200
+        assert healthy and len(executors) == 2, f"the compose layout never served with two executors: {executors}"
         body = json.dumps({"text": "hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).encode()
         req = urllib.request.Request(base + "/generate", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:

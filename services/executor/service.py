@@ -33,7 +33,7 @@ from .memory import realized
 from .pages import RemotePages
 
 
-ENDED_KEEP_S = 5.0    # a request whose end was published this recently still counts as known (LiveQuery)
+ENDED_KEEP_S = 2.0    # a request whose end was published this recently still counts as known (LiveQuery)
 
 
 class ExecutorService(Actor):

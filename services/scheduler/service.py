@@ -37,7 +37,7 @@ from .stops import StopMatcher
 from .table import RequestTable, Tracked, namespace_of
 from .tenants import RETRY_AFTER_S, TenantLedger, Ticket
 
-ENDED_KEEP_S = 5.0    # a request whose terminal item was sent this recently still counts as known (LiveQuery)
+ENDED_KEEP_S = 2.0    # a request whose terminal item was sent this recently still counts as known (LiveQuery)
 
 
 @dataclass
