@@ -56,12 +56,34 @@ def test_adopt_in_a_hybrid_pool_keeps_slots_and_resumes_only_from_new_checkpoint
     old = PagePool(64, 4, num_state_slots=8)
     a = list(range(3, 15))
     ga = _grant(old, "a", a, len(a))                     # its planned checkpoint at 12 is computed
+    assert ga.checkpoints == [12]
     new = PagePool(64, 4, num_state_slots=8)
     new.adopt([_held("a", a, ga, len(a))])
     st = new.stats()
-    assert st["state_slots_used"] == 2 + len(ga.checkpoints) and st["state_slots_cached"] == len(ga.checkpoints)
-    assert new.match_len("n", a + [1]) == 12             # resumable where the checkpoint was re-made
-    new.step(RadixStep(pool="p", budget=0, max_admit=0, releases=[Release(rid="a", output_ids=[], computed=len(a))]))
+    # the checkpoint behind it is not taken back (its slot may be another request's by now): only
+    # the working and tail slots are held, and the prefix is cached without a state
+    assert st["state_slots_used"] == 2 and st["state_slots_cached"] == 0
+    assert new.match_len("n", a + [1]) == 0
+    new.step(RadixStep(pool="p", budget=0, max_admit=0, releases=[Release(rid="a", output_ids=[5], computed=len(a),
+                                                                          tail=12)]))
+    assert _idle(new) and new.match_len("n", a + [1]) == 12   # its tail at release is a checkpoint again
+
+
+def test_adopt_does_not_claim_a_checkpoint_slot_twice():
+    """The old pool freed a computed checkpoint's slot (its node had a state already) and granted
+    it to another request: after the restart both report it, and it must be held once, by the
+    request still using it."""
+    new = PagePool(64, 4, num_state_slots=8)
+    a = HeldPages(rid="a", namespace="n", tokens=list(range(3, 15)), pages=[0, 1, 2, 3], computed=12,
+                  state_slot=0, tail_slot=1, checkpoints=[12], checkpoint_slots=[5])
+    b = HeldPages(rid="b", namespace="n", tokens=list(range(30, 42)), pages=[4, 5, 6, 7], computed=4,
+                  state_slot=5, tail_slot=6, checkpoints=[12], checkpoint_slots=[7])
+    new.adopt([a, b])
+    st = new.stats()
+    assert st["state_slots_used"] == 5 and st["state_slots_cached"] == 0     # 0, 1, 5, 6 and b's planned 7
+    for rid, n in (("a", 12), ("b", 12)):
+        new.step(RadixStep(pool="p", budget=0, max_admit=0, progress=[Progress(rid=rid, computed=n)]))
+        new.step(RadixStep(pool="p", budget=0, max_admit=0, releases=[Release(rid=rid, output_ids=[], computed=n)]))
     assert _idle(new)
 
 

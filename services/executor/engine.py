@@ -20,7 +20,7 @@ import msgspec
 from radixflow.shared import log
 from radixflow.shared.errors import BadRequest, NotFound, RadixflowError, RequestTimeout, ServiceUnavailable
 from radixflow.shared.histogram import Histogram
-from radixflow.shared.messages import CacheHints, ExecRequest, HeldPages, Progress, RadixRegister, SeqOutput
+from radixflow.shared.messages import CacheHints, ExecRequest, HeldPages, Progress, RadixRegister, RadixStep, SeqOutput
 
 from radixflow.services.radix.pool import pages_for
 from .batcher import Batcher, Plan, candidate_tokens
@@ -122,6 +122,7 @@ class Engine:
         self.finished_outputs: OrderedDict[str, tuple] = OrderedDict()
         self._last_arrival = 0.0
         self._radix_down_since = 0.0
+        self._sync = False
         self.preempted = 0       # sequences sent back to waiting for want of pages (decode_reserve)
         self.steps = 0
         self.mixed_steps = 0     # prefill steps that carried decode rows
@@ -212,7 +213,13 @@ class Engine:
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._new or self._aborts or self._hints or self.batcher.has_work())
+            return bool(self._new or self._aborts or self._hints or self._sync or self.batcher.has_work())
+
+    def sync(self) -> None:
+        """Exchange with radix at the next step even with nothing to say: a new radix instance
+        learns of this pool now (NotFound, then _rejoin), not at its next request."""
+        with self._lock:
+            self._sync = True
 
     @property
     def num_running(self) -> int:
@@ -311,6 +318,10 @@ class Engine:
 
     def _send(self) -> tuple | None:
         msg = self.batcher.radix_message()
+        with self._lock:
+            sync, self._sync = self._sync, False
+        if msg is None and sync:
+            msg = RadixStep(pool=self.cfg.pool, budget=0, max_admit=0)
         return None if msg is None else (msg, self.pages.send(msg))
 
     def _receive(self, msg, reply_of) -> list[tuple[str, SeqOutput]]:

@@ -56,6 +56,8 @@ class ExecutorService(Actor):
         self.route(subjects.MEMORY, StatusRequest, self.memory, drain_last=True)
         self.route(subjects.live(self.service, self.instance), LiveQuery, self.live, drain_last=True)
         self.route(subjects.replay(self.instance), Replay, self.replay, drain_last=True)
+        self.route(subjects.heartbeat("radix"), Heartbeat, self.on_radix_heartbeat, drain_last=True)
+        self._radix: str | None = None              # the radix instance last heard
         self._ended: dict[str, float] = {}          # rid -> when its last output was published
         self.draining = False
         self._owner: dict[str, str] = {}            # rid -> output subject (its scheduler)
@@ -196,6 +198,13 @@ class ExecutorService(Actor):
     async def memory(self, _: StatusRequest) -> MemoryReply:
         r = self.engine.runner
         return MemoryReply(instance=self.instance, model=self.model_name, report=realized(r.spec, r.plan))
+
+    async def on_radix_heartbeat(self, hb: Heartbeat) -> None:
+        """A new radix instance (a restart) knows no pool: exchange with it now, idle or not."""
+        if self._radix is not None and hb.instance != self._radix and self.engine is not None:
+            self.engine.sync()
+            self._wake.set()
+        self._radix = hb.instance
 
     async def on_scheduler_heartbeat(self, hb: Heartbeat) -> None:
         self._subject_seen[subjects.scheduler_output(hb.instance)] = time.monotonic()

@@ -144,9 +144,14 @@ class PagePool:
         them): their pages and slots leave the free lists, and each request's computed prefix is
         cached again and locked as if its progress had just arrived. The old tree's other pages and
         checkpoints are forgotten: free. A prefix is resumable only from the checkpoints re-made
-        here (planned ones already computed, tails at release), never from a state it did not see."""
+        here (checkpoints still ahead of a request, tails at release), never from a state it did
+        not see. A checkpoint already behind a request is not taken back: the old pool either gave
+        its slot to the tree or freed it (and may have handed it to another request since), and the
+        executor cannot tell which; its prefix is cached without that state."""
+        def ahead(a: HeldPages) -> dict[int, int]:
+            return {p: x for p, x in zip(a.checkpoints, a.checkpoint_slots) if p > a.computed}
         pages = {p for a in held for p in a.pages}
-        slots = {x for a in held for x in (a.state_slot, a.tail_slot, *a.checkpoint_slots) if x >= 0}
+        slots = {x for a in held for x in (a.state_slot, a.tail_slot, *ahead(a).values()) if x >= 0}
         self._free = [p for p in self._free if p not in pages]
         heapq.heapify(self._free)
         self._free_states = [x for x in self._free_states if x not in slots]
@@ -154,12 +159,10 @@ class PagePool:
             h = Held(a.namespace, list(a.tokens), list(a.pages), self.tree.root(a.namespace), quota=a.quota_pages)
             self.tree.lock(h.node)
             if self.hybrid:
-                h.working, h.tail, h.planned = a.state_slot, a.tail_slot, dict(zip(a.checkpoints, a.checkpoint_slots))
+                h.working, h.tail, h.planned = a.state_slot, a.tail_slot, ahead(a)
             self.held[a.rid] = h
             if self.cache:
                 self._insert(h, a.computed)
-                if self.hybrid:
-                    self._attach_planned(h, a.computed)
 
     def _release_pages(self, pages: list[int]) -> None:
         for p in pages:

@@ -15,6 +15,7 @@ import asyncio
 import os
 
 from radixflow.shared import log, subjects
+from radixflow.shared.errors import ServiceUnavailable
 from radixflow.shared.messages import DetokenizeReply, DetokenizeRequest, DetokItem, DetokResult, TokenizerInfo
 
 _log = log.get("scheduler")
@@ -54,8 +55,16 @@ class Detokenizer:
 
     async def run(self, items: list[DetokItem]) -> list[DetokResult]:
         if self.local is None:
-            reply = await self.bus.request(subjects.TOKENIZER_DETOKENIZE, DetokenizeRequest(items=items),
-                                           DetokenizeReply, timeout=10, idempotent=True)
-            return reply.items
+            try:
+                reply = await self.bus.request(subjects.TOKENIZER_DETOKENIZE, DetokenizeRequest(items=items),
+                                               DetokenizeReply, timeout=10, idempotent=True)
+                return reply.items
+            except ServiceUnavailable:
+                # no tokenizer service (one restarting): the local copy, if it is on its way
+                if self._loading is None:
+                    raise
+                await asyncio.wait_for(asyncio.shield(self._loading), 30)
+                if self.local is None:
+                    raise
         from radixflow.services.tokenizer.service import detokenize_items   # loaded with the tokenizer
         return detokenize_items(self.local, items)

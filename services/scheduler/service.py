@@ -86,6 +86,17 @@ class SchedulerService(Actor):
 
     async def on_start(self) -> None:
         self.spawn("watchdog", self._watchdog)
+        self.spawn("tokenizer-info", self._learn_tokenizer)
+
+    async def _learn_tokenizer(self) -> None:
+        """Ask the tokenizer service for its info at start, not at the first request: the local
+        detokenizer starts loading now (seconds), so a tokenizer restart later does not fail the
+        streams that would otherwise still detokenize through it."""
+        while self._eos is None:
+            try:
+                await self._eos_ids()
+            except RadixflowError:
+                await asyncio.sleep(1.0)
 
     async def on_drain(self) -> None:
         while len(self.table) or self.programs.runs:
