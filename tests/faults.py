@@ -3,12 +3,27 @@ streaming requests at once, a fault in the middle, and the checks every fault mu
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
+import os
 import time
 import urllib.error
 import urllib.request
 
-from radixflow.services.cluster import Cluster
+from radixflow.services.cluster import Cluster, ClusterConfig
+
+@contextlib.contextmanager
+def serving(cfg: ClusterConfig):
+    """A started cluster, ready with all its executors; its processes' log tails printed if not."""
+    with Cluster(cfg) as c:
+        try:
+            c.wait_ready(300)
+        except Exception:
+            for f in sorted(os.listdir(cfg.log_dir)):
+                print(f"== {f}\n" + open(os.path.join(cfg.log_dir, f)).read()[-3000:])
+            raise
+        yield c
+
 
 TERMINAL_S = 10.0        # after a fault, every stream ends within this
 N = 32

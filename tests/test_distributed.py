@@ -7,7 +7,6 @@ One cluster serves the module (starting seven processes costs most of a minute o
 test leaves it serving with both executors up, which the next one checks first."""
 from __future__ import annotations
 
-import os
 import signal
 import time
 
@@ -16,7 +15,7 @@ import pytest
 from radixflow.services.cluster import Cluster, ClusterConfig
 from radixflow.shared.natsd import free_port
 
-from .faults import FAST_FAILURE_ENV, N, assert_every_stream_ended_once, assert_idle_and_serving, burst
+from .faults import FAST_FAILURE_ENV, serving, N, assert_every_stream_ended_once, assert_idle_and_serving, burst
 
 pytestmark = pytest.mark.distributed
 
@@ -32,14 +31,7 @@ def cluster(models, tmp_path_factory):
     cfg = ClusterConfig(model=models["tiny-hybrid"], port=free_port(), counts={"executor": 2}, log_dir=str(logs),
                         env=FAST_FAILURE_ENV,
                         args=("--max-total-tokens", "65536"))
-    with Cluster(cfg) as c:
-        try:
-            c.wait_ready(300)
-        except Exception:
-            for f in sorted(os.listdir(logs)):
-                print(f"== {f}\n" + open(os.path.join(logs, f)).read()[-3000:])
-            raise
-        c.logs = str(logs)
+    with serving(cfg) as c:
         yield c
 
 

@@ -9,10 +9,10 @@ import signal
 
 import pytest
 
-from radixflow.services.cluster import Cluster, ClusterConfig
+from radixflow.services.cluster import ClusterConfig
 from radixflow.shared.natsd import NatsCluster, free_port
 
-from .faults import FAST_FAILURE_ENV, assert_every_stream_ended_once, assert_idle_and_serving, burst
+from .faults import FAST_FAILURE_ENV, serving, assert_every_stream_ended_once, assert_idle_and_serving, burst
 
 pytestmark = pytest.mark.distributed
 
@@ -34,13 +34,7 @@ def cluster(models, nodes, tmp_path_factory):
     cfg = ClusterConfig(model=models["tiny-hybrid"], nats_url=nodes.url(0), placement=placement, port=free_port(),
                         counts={"executor": 2}, log_dir=str(logs), env=FAST_FAILURE_ENV,
                         args=("--max-total-tokens", "65536"))
-    with Cluster(cfg) as c:
-        try:
-            c.wait_ready(300)
-        except Exception:
-            for f in sorted(os.listdir(logs)):
-                print(f"== {f}\n" + open(os.path.join(logs, f)).read()[-3000:])
-            raise
+    with serving(cfg) as c:
         yield c
 
 
