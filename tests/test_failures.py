@@ -227,7 +227,7 @@ async def test_a_lost_output_is_fetched_again_from_the_executor(nats, models):
             route.fn = intake
         assert dropped and code == 200
         assert got["output_ids"] == want["output_ids"] and got["text"] == want["text"]
-        assert sched.replayed_total >= len(dropped[0].outputs[0].token_ids)
+        assert sched.recovery.replayed_total >= len(dropped[0].outputs[0].token_ids)
     finally:
         await bus.close()
         await st.stop()
@@ -262,13 +262,13 @@ async def test_a_request_of_a_dead_executor_that_streamed_nothing_moves_to_anoth
                 "text": f"move me {len(tasks)}", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})))
             await asyncio.sleep(0.05)
         assert stuck_load() >= 1
-        moved = sched.retried_total
+        moved = sched.recovery.retried_total
         await stuck.bus.nc.close()      # it dies
         for t in stuck._loops.values():
             t.cancel()
         results = await asyncio.wait_for(asyncio.gather(*tasks), 15)
         assert all(code == 200 for code, _ in results), results
-        assert sched.retried_total > moved
+        assert sched.recovery.retried_total > moved
     finally:
         for ex in exs:
             ex._running.clear()

@@ -23,6 +23,7 @@ from radixflow.shared import subjects
 from radixflow.shared.actor import Actor
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import ExecutorConfig, ServiceConfig
+from radixflow.shared.recent import Recent
 from radixflow.shared.messages import (AbortRequest, CacheHints, ExecAccepted, ExecRequest, ExecutorInfo, Heartbeat,
                                        LiveQuery, LiveReply, MemoryReply, Replay, Replayed, Sample, SeqOutput,
                                        StatusRequest, StepOutput)
@@ -58,7 +59,7 @@ class ExecutorService(Actor):
         self.route(subjects.replay(self.instance), Replay, self.replay, drain_last=True)
         self.route(subjects.heartbeat("radix"), Heartbeat, self.on_radix_heartbeat, drain_last=True)
         self._radix: str | None = None              # the radix instance last heard
-        self._ended: dict[str, float] = {}          # rid -> when its last output was published
+        self.ended = Recent(ENDED_KEEP_S)            # requests whose last output was published moments ago
         self.draining = False
         self._owner: dict[str, str] = {}            # rid -> output subject (its scheduler)
         self._subject_seen: dict[str, float] = {}   # output subject -> last heartbeat of its scheduler
@@ -172,10 +173,9 @@ class ExecutorService(Actor):
         """The asked requests this executor still has, or whose end it published moments ago (that
         output may still be on its way)."""
         e = self.engine
-        self._prune_ended()
         with e._lock:
             known = set(e._live) | {s.rid for s in e._new}
-        return LiveReply(rids=[r for r in q.rids if r in known or r in self._ended])
+        return LiveReply(rids=[r for r in q.rids if r in known or r in self.ended])
 
     async def replay(self, q: Replay) -> Replayed:
         """A request's outputs from `q.offset` on, up to what was reported (a scheduler lost some to
@@ -189,11 +189,6 @@ class ExecutorService(Actor):
             return Replayed(found=False)
         ids, lps, tops = got
         return Replayed(found=True, token_ids=ids[q.offset:], logprobs=lps[q.offset:], top_logprobs=tops[q.offset:])
-
-    def _prune_ended(self) -> None:
-        now = time.monotonic()
-        for rid in [r for r, t in self._ended.items() if now - t > ENDED_KEEP_S]:
-            del self._ended[rid]
 
     async def memory(self, _: StatusRequest) -> MemoryReply:
         r = self.engine.runner
@@ -213,7 +208,6 @@ class ExecutorService(Actor):
         """Abort the requests of schedulers that stopped beating."""
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
-            self._prune_ended()
             now = time.monotonic()
             if not self.bus.settled(self.cfg.orphan_timeout_s):
                 continue     # cut off from NATS ourselves: the beats we missed say nothing
@@ -233,7 +227,7 @@ class ExecutorService(Actor):
             by_subject[subject].append(o)
             if o.finished:
                 self._owner.pop(o.rid, None)
-                self._ended[o.rid] = time.monotonic()
+                self.ended.add(o.rid)
         for subject, items in by_subject.items():
             if subject:
                 await self.bus.publish(subject, StepOutput(executor=self.instance, step=self.engine.steps, outputs=items))

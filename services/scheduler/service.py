@@ -20,16 +20,17 @@ from radixflow.shared.bus import Bus
 from radixflow.shared.config import SchedulerConfig, ServiceConfig
 from radixflow.shared.errors import BadRequest, Overloaded, RadixflowError, RequestLost, RequestTimeout, ServiceUnavailable
 from radixflow.shared.histogram import Histogram
+from radixflow.shared.recent import Recent
 from radixflow.shared.messages import (AbortRequest, Accepted, Constraint,
                                        DetokItem, EncodeReply, EncodeRequest, ExecAccepted, ExecRequest, ExecutorInfo,
                                        GenerateRequest, GrammarCompile, GrammarCompiled, Heartbeat, LiveQuery, LiveReply,
-                                       ProgramQuery, Replay, Replayed, SeqOutput,
-                                       ProgramRequest, RadixPlace, RadixPlaceReply, Sample, StatusReply, StatusRequest, StepOutput,
+                                       ProgramQuery, ProgramRequest, RadixPlace, RadixPlaceReply, Sample, StatusRequest, StepOutput,
                                        StreamChunk, StreamError, TokenizerInfo, Usage)
 from radixflow.shared.validate import check_request
 
 from .detok import Detokenizer
 from .programs import ProgramDriver
+from .recovery import Recovery
 from .siblings import Siblings, child_rid
 from .structured import OutputCheck, check_constraint
 from .routing import Candidate, Router
@@ -58,8 +59,6 @@ class SchedulerService(Actor):
         self.executors: dict[str, ExecutorState] = {}
         self.siblings: dict[str, Siblings] = {}     # rid of a request with n > 1 -> its children
         self.resampled_total = 0                    # structured outputs sampled again after a failed check
-        self.retried_total = 0                      # requests moved off a dead executor before their first token
-        self.replayed_total = 0                     # output tokens fetched again after a lost output
         self.tenants = TenantLedger()
         self.router = Router(config.routing, config.route_load_tokens)
         # latency as clients see it, up to this service: from acceptance to the first output, between
@@ -80,12 +79,13 @@ class SchedulerService(Actor):
         self.route(subjects.PROGRAM_GET, ProgramQuery, self.programs.get_if_owner)
         self.route(subjects.PROGRAM_CANCEL, ProgramQuery, self.programs.cancel_if_owner)
         self.route(subjects.live(self.service, self.instance), LiveQuery, self.live, drain_last=True)
-        self._ended: dict[str, float] = {}          # rid -> when its terminal item was sent
+        self.ended = Recent(ENDED_KEEP_S)            # requests whose terminal item was sent moments ago
+        self.recovery = Recovery(self)
         self.route(subjects.program_op(self.instance, "get"), ProgramQuery, self.programs.get, drain_last=True)
         self.route(subjects.program_op(self.instance, "cancel"), ProgramQuery, self.programs.cancel, drain_last=True)
 
     async def on_start(self) -> None:
-        self.spawn("watchdog", self._watchdog)
+        self.spawn("watchdog", self.recovery.watch)
         self.spawn("tokenizer-info", self._learn_tokenizer)
 
     async def _learn_tokenizer(self) -> None:
@@ -109,8 +109,8 @@ class SchedulerService(Actor):
     def metrics(self) -> list[Sample]:
         return [Sample(name="requests_inflight", value=len(self.table)),
                 Sample(name="structured_resamples_total", value=self.resampled_total),
-                Sample(name="requests_retried_total", value=self.retried_total),
-                Sample(name="output_tokens_replayed_total", value=self.replayed_total)] + self.programs.metrics() \
+                Sample(name="requests_retried_total", value=self.recovery.retried_total),
+                Sample(name="output_tokens_replayed_total", value=self.recovery.replayed_total)] + self.programs.metrics() \
             + self.tenants.samples() + self.ttft.samples() + self.itl.samples() + self.e2e.samples()
 
     # ------------------------------------------------------------ executors
@@ -311,8 +311,8 @@ class SchedulerService(Actor):
         for t, o in gaps:
             # an earlier output of it was lost (NATS delivers at most once): ask its executor for
             # the missing tokens; only if it cannot say does the request fail
-            if not await self._fill_gap(t, o, step.executor):
-                await self._fail(t, 502, "stream_gap", f"output lost in transit: expected token {len(t.output_ids)}, "
+            if not await self.recovery.fill_gap(t, o, step.executor):
+                await self.fail(t, 502, "stream_gap", f"output lost in transit: expected token {len(t.output_ids)}, "
                                  f"got {o.offset} from executor {step.executor}", abort=not o.finished)
         if gaps:
             live = [(t, o) for t, o in live if o.offset == len(t.output_ids)]
@@ -340,7 +340,7 @@ class SchedulerService(Actor):
                           skip_special_tokens=t.sampling.skip_special_tokens, flush=o.finished) for t, o in live])
         except RadixflowError as e:
             for t, _ in live:
-                await self._fail(t, e.code, e.kind, f"detokenization failed: {e.message}", abort=True)
+                await self.fail(t, e.code, e.kind, f"detokenization failed: {e.message}", abort=True)
             return
         stopped: dict[str, list[str]] = {}
         for (t, o), d in zip(live, done):
@@ -353,13 +353,13 @@ class SchedulerService(Actor):
                 if bad is not None:
                     if o.finished and o.finish_reason != "length" and await self._resample(t, bad):
                         continue
-                    await self._fail(t, 400 if o.finish_reason == "length" else 500,
+                    await self.fail(t, 400 if o.finish_reason == "length" else 500,
                                      "invalid_request_error" if o.finish_reason == "length" else "invalid_output",
                                      bad + (f" (after {t.resamples + 1} attempts)" if t.resamples else ""),
                                      abort=not o.finished)
                     continue
             if o.error:
-                await self._fail(t, o.error_code, "service_unavailable" if o.error_code == 503 else "internal_error",
+                await self.fail(t, o.error_code, "service_unavailable" if o.error_code == 503 else "internal_error",
                                  o.error)
             elif hit is not None:
                 t.stopping = True
@@ -375,24 +375,6 @@ class SchedulerService(Actor):
         for ex, rids in stopped.items():
             await self.bus.publish(subjects.executor_abort(ex), AbortRequest(rids=rids))
 
-    async def _fill_gap(self, t: Tracked, o: SeqOutput, executor: str) -> bool:
-        have = len(t.output_ids)
-        if o.offset < have:
-            return False          # a repeat or a reordering: nothing here explains it
-        try:
-            r = await self.bus.request(subjects.replay(executor), Replay(rid=t.rid, offset=have), Replayed,
-                                       timeout=2, idempotent=True)
-        except RadixflowError:
-            return False
-        if not r.found or len(r.token_ids) < o.offset - have:
-            return False
-        n = o.offset - have
-        t.output_ids.extend(r.token_ids[:n])
-        t.logprobs.extend(r.logprobs[:n])
-        t.top_logprobs.extend(r.top_logprobs[:n])
-        self.replayed_total += n
-        return True
-
     async def _send(self, t: Tracked, item: StreamChunk | StreamError) -> None:
         if t.sink is not None:
             await t.sink(item)
@@ -403,7 +385,7 @@ class SchedulerService(Actor):
         """Send one stream item; False when it could not be sent. An unsendable end of a choice
         (an oversize last chunk) becomes the stream's terminal StreamError in its place."""
         if isinstance(item, StreamError) or item.finished:
-            self._ended[rid] = time.monotonic()
+            self.ended.add(rid)
         try:
             await self.bus.publish(subject, item, as_json)
             return True
@@ -459,10 +441,10 @@ class SchedulerService(Actor):
         try:
             await self.bus.request(subjects.executor_submit(t.executor), req, ExecAccepted, timeout=40)
         except RadixflowError as e:
-            await self._fail(t, e.code, e.kind, f"resampling failed: {e.message}")
+            await self.fail(t, e.code, e.kind, f"resampling failed: {e.message}")
         return True
 
-    async def _fail(self, t: Tracked, code: int, kind: str, message: str, abort: bool = False) -> None:
+    async def fail(self, t: Tracked, code: int, kind: str, message: str, abort: bool = False) -> None:
         if self.table.finish(t.rid) is None:
             return
         self._release(t)
@@ -491,102 +473,13 @@ class SchedulerService(Actor):
         if ex is not None:
             ex.inflight = max(0, ex.inflight - 1)
 
-    # ------------------------------------------------------------ watchdog
-
-    async def _rescue(self, t: Tracked) -> bool:
-        """A request of a dead executor that has streamed nothing yet starts over on another one
-        (the client sees only a later first token). False: it cannot (something was streamed, it
-        belongs to a program or a group of siblings, or no other executor takes it)."""
-        if t.output_ids or t.next_seq or t.sink is not None or t.exec_req is None or t.exec_req.after:
-            return False
-        others = [e for e in self.executors.values() if e.info.max_model_len > 0 and not e.info.draining]
-        if not others:
-            return False
-        ex = await self.place(others, t.exec_req.namespace, t.exec_req.input_ids)
-        t.executor, t.heard_at = ex.instance, time.monotonic()
-        ex.inflight += 1
-        try:
-            await self.bus.request(subjects.executor_submit(ex.instance), t.exec_req, ExecAccepted, timeout=40)
-        except RadixflowError as e:
-            self.log.warning("retry on another executor failed", rid=t.rid, executor=ex.instance, error=e.message)
-            return False
-        self.retried_total += 1
-        self.log.info("request moved to another executor", rid=t.rid, executor=ex.instance)
-        return True
-
     async def live(self, q: LiveQuery) -> LiveReply:
         """The asked requests and programs this scheduler still has, or ended moments ago."""
-        self._prune_ended(time.monotonic())
         return LiveReply(rids=[r for r in q.rids if r in self.table or r in self.siblings or r in self.programs.runs
-                               or r in self._ended])
-
-    def _prune_ended(self, now: float) -> None:
-        for rid in [r for r, t in self._ended.items() if now - t > ENDED_KEEP_S]:
-            del self._ended[rid]
-
-    async def _probe_silent(self, now: float) -> None:
-        """Requests silent for stall_check_s: ask their executors whether they still run them. One
-        it does not know lost its end on the way (or never got there): a clear error, not a wait
-        until the deadline."""
-        self._prune_ended(now)
-        by_exec: dict[str, list[Tracked]] = {}
-        for t in self.table.silent(now, self.cfg.stall_check_s):
-            t.probed_at = now
-            by_exec.setdefault(t.executor, []).append(t)
-        for ex, ts in by_exec.items():
-            try:
-                reply = await self.bus.request(subjects.live("executor", ex), LiveQuery(rids=[t.rid for t in ts]),
-                                               LiveReply, timeout=2, idempotent=True)
-            except RadixflowError:
-                continue      # unreachable: the watchdog decides whether it is dead
-            known = set(reply.rids)
-            for t in ts:
-                if t.rid not in known and self.table.get(t.rid) is t and time.monotonic() - t.heard_at > self.cfg.stall_check_s:
-                    await self._fail(t, 502, "stream_gap", f"executor {ex} no longer has the request: its output "
-                                     "was lost in transit")
+                               or r in self.ended])
 
     async def _abort_quietly(self, executor: str, rids: list[str]) -> None:
         try:
             await self.bus.publish(subjects.executor_abort(executor), AbortRequest(rids=rids))
         except RadixflowError:
             pass
-
-    async def _answers(self, instance: str) -> bool:
-        try:
-            await self.bus.request(subjects.ping("executor", instance), StatusRequest(), StatusReply, timeout=1.0)
-            return True
-        except RequestLost:      # our own connection dropped: this says nothing about the executor
-            return True
-        except RadixflowError:
-            return False
-
-    async def _watchdog(self) -> None:
-        while True:
-            await asyncio.sleep(min(0.5, self.cfg.executor_timeout_s / 4))
-            now = time.monotonic()
-            # beats missed while this process was cut off from NATS say nothing about the executors
-            settled = self.bus.settled(self.cfg.executor_timeout_s)
-            silent = [st for st in self.executors.values() if settled and now - st.last_seen > self.cfg.executor_timeout_s]
-            # missed beats are not proof of death (this loop may have been the one that stalled):
-            # ask each silent executor directly; a killed one has no responder and fails at once
-            alive = await asyncio.gather(*(self._answers(st.instance) for st in silent))
-            now = time.monotonic()
-            for st, ok in zip(silent, alive):
-                inst = st.instance
-                if ok:
-                    st.last_seen = now
-                elif self.executors.get(inst) is st:
-                    del self.executors[inst]
-                    self.router.forget(inst)
-                    lost = self.table.on_executor(inst)
-                    self.log.error("executor stopped responding", executor=inst, requests=len(lost))
-                    for t in lost:
-                        if not await self._rescue(t):
-                            await self._fail(t, 503, "service_unavailable",
-                                             f"executor {inst} stopped responding; the request was lost")
-            if settled:
-                await self._probe_silent(now)
-            await self.programs.expire(now)
-            for t in self.table.expired(now):
-                await self._fail(t, 504, "timeout", f"request did not finish within {self.cfg.request_timeout_s:g}s",
-                                 abort=True)
