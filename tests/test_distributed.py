@@ -179,7 +179,8 @@ def check_soak(c: Cluster, r: dict, seconds: float, latency: bool) -> None:
         early = sorted(d for t, d in lat if t < seconds / 3)
         late = sorted(d for t, d in lat if t >= 2 * seconds / 3)
         p50 = lambda xs: xs[len(xs) // 2]
-        print(f"latency p50: first third {p50(early):.2f} s, last third {p50(late):.2f} s")
+        sixths = [sorted(d for t, d in lat if k * seconds / 6 <= t < (k + 1) * seconds / 6) for k in range(6)]
+        print("latency p50 per sixth of the run (s):", [round(p50(x), 2) for x in sixths if x])
         assert p50(late) <= 1.5 * p50(early)
 
 
