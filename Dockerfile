@@ -1,6 +1,11 @@
 FROM python:3.11-slim
+# torch==2.13.0 is pinned in pyproject.toml. PyPI's Linux wheel of it is the CUDA build (several GB,
+# what an executor on a GPU host needs); a CPU-only image takes it from PyTorch's CPU index instead:
+#   docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu .
+ARG TORCH_INDEX=
 WORKDIR /app
 COPY . /app
-RUN pip install --no-cache-dir -e .
+RUN if [ -n "$TORCH_INDEX" ]; then pip install --no-cache-dir torch==2.13.0 --index-url "$TORCH_INDEX"; fi \
+    && pip install --no-cache-dir -e .
 ENV RADIXFLOW_LOG_JSON=1
 ENTRYPOINT ["radixflow"]
