@@ -231,17 +231,21 @@ class InboxStream:
             async for item in stream: ...
 
     Subscribe before submitting, so nothing can arrive before anyone listens. Iteration ends after
-    the terminal item; a skipped sequence number raises StreamGap, silence past the idle timeout
-    raises RequestTimeout.
+    the terminal item; silence past the idle timeout raises RequestTimeout. A skipped sequence
+    number (an item lost on the way) is asked of the sender again through `refill` (seq -> the
+    items from there, or None), once the producer is known; only when it cannot say does the
+    stream end with StreamGap.
     """
 
     def __init__(self, bus: Bus, idle_timeout_s: float | None):
         self.bus = bus
         self.subject = subjects.stream_inbox(secrets.token_hex(12))
         self.idle_timeout_s = idle_timeout_s
-        self._queue: asyncio.Queue[bytes | BaseException] = asyncio.Queue()
+        self._queue: asyncio.Queue[bytes | Msg | BaseException] = asyncio.Queue()
         self._sub: Subscription | None = None
         self._next_seq = 0
+        self._ahead: dict[int, Any] = {}     # items that arrived past a gap, by seq
+        self.refill: Callable[[int], Awaitable[list | None]] | None = None
         self._done = False
         self.heard_at = time.monotonic()     # the latest item (or the opening)
         self.probed_at = 0.0
@@ -267,21 +271,49 @@ class InboxStream:
     def __aiter__(self) -> "InboxStream":
         return self
 
+    async def recover(self) -> bool:
+        """Ask the producer for the items from the next expected one on (the stream went silent and
+        its producer no longer runs it: its end may have been lost). True when it had them: they
+        are queued for the reader."""
+        items = await self._ask()
+        if not items or items[0].seq != self._next_seq:
+            return False
+        for it in items:
+            self._queue.put_nowait(it)
+        return True
+
+    async def _ask(self) -> list | None:
+        if self.refill is None:
+            return None
+        try:
+            return await self.refill(self._next_seq)
+        except RadixflowError:
+            return None
+
     async def __anext__(self) -> StreamChunk | StreamError | ProgramEvent:
         if self._done:
             raise StopAsyncIteration
-        try:
-            item = await asyncio.wait_for(self._queue.get(), self.idle_timeout_s)
-        except asyncio.TimeoutError:
-            self._done = True
-            raise RequestTimeout(f"stream {self.subject} silent for {self.idle_timeout_s:g}s") from None
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        out = messages.decode(item, StreamChunk | StreamError | ProgramEvent)
-        if out.seq != self._next_seq:
-            self._done = True
-            raise StreamGap(f"stream {self.subject}: expected item {self._next_seq}, got {out.seq}")
+        while (out := self._ahead.pop(self._next_seq, None)) is None:
+            try:
+                item = await asyncio.wait_for(self._queue.get(), self.idle_timeout_s)
+            except asyncio.TimeoutError:
+                self._done = True
+                raise RequestTimeout(f"stream {self.subject} silent for {self.idle_timeout_s:g}s") from None
+            if isinstance(item, BaseException):
+                self._done = True
+                raise item
+            out = item if isinstance(item, Msg) else messages.decode(item, StreamChunk | StreamError | ProgramEvent)
+            if out.seq < self._next_seq:
+                continue              # a repeat: a refill and the live item crossed
+            self._ahead.setdefault(out.seq, out)
+            if out.seq > self._next_seq:
+                # an item was lost on the way: the producer sends the missing ones again
+                for it in await self._ask() or []:
+                    if it.seq >= self._next_seq:
+                        self._ahead.setdefault(it.seq, it)
+                if self._next_seq not in self._ahead:
+                    self._done = True
+                    raise StreamGap(f"stream {self.subject}: expected item {self._next_seq}, got {out.seq}")
         self._next_seq += 1
         if isinstance(out, StreamError) or out.finished:
             self._done = True

@@ -71,6 +71,10 @@ def replay(instance: str) -> str:
     return f"rf.executor.{instance}.replay"
 
 
+def resend(instance: str) -> str:
+    return f"rf.scheduler.{instance}.resend"
+
+
 def heartbeat(service: str) -> str:
     return f"rf.heartbeat.{service}"
 

@@ -207,11 +207,13 @@ def nats_corpus(vocab: int) -> list[tuple[str, bytes, dict]]:
 async def test_every_public_nats_subject_answers_hostile_input_with_a_typed_4xx(server):
     st = server
     corpus = nats_corpus(st.actors["executor"].engine.spec.vocab_size)
-    ex_id = st.actors["executor"].instance
+    ex_id, sc_id = st.actors["executor"].instance, st.actors["scheduler"].instance
     corpus += [(subjects.executor_submit(ex_id), b"\xc1", {}),
                (subjects.executor_submit(ex_id), json.dumps({"rid": "q", "input_ids": [-1], "sampling": {}}).encode(),
                 {"Content-Type": "application/json"}),
-               (subjects.live("executor", ex_id), b"\xc1", {}), (subjects.live("scheduler", "nobody"), b"{}", {})]
+               (subjects.live("executor", ex_id), b"\xc1", {}), (subjects.live("scheduler", "nobody"), b"{}", {}),
+               (subjects.resend(sc_id), b"\xc1", {}),
+               (subjects.resend(sc_id), json.dumps({"subject": 5, "seq": "x"}).encode(), {"Content-Type": "application/json"})]
     nc = await nats.connect(st.nats.url)
     bad = []
     try:

@@ -20,7 +20,8 @@ from radixflow.shared.errors import NotFound, RadixflowError, RequestTimeout, Se
 from radixflow.shared.messages import (AbortRequest, Accepted, DetokenizeReply, DetokenizeRequest, DetokItem, LiveQuery,
                                        LiveReply,
                                        ErrorReply, ExecutorInfo, GenerateRequest, Heartbeat, ProgramAccepted,
-                                       ProgramEvent, ProgramInfo, ProgramQuery, ProgramRequest, StreamChunk,
+                                       ProgramEvent, ProgramInfo, ProgramQuery, ProgramRequest, Resend, Resent,
+                                       StreamChunk,
                                        StreamError, TopLogprobs)
 
 KEEP_OWNERS = 10_000     # program id -> its scheduler, for GET / DELETE without a broadcast
@@ -101,6 +102,7 @@ class EngineClient:
         self._executors: dict[str, tuple[float, ExecutorInfo]] = {}
         self._streams: dict[str, tuple[str, InboxStream]] = {}   # rid -> (scheduler, stream)
         self._owners: dict[str, str] = {}                       # program id -> scheduler instance
+        self.resent_total = 0                                   # stream items lost on the way and sent again
 
     async def on_heartbeat(self, hb: Heartbeat) -> None:
         now = time.monotonic()
@@ -149,8 +151,17 @@ class EngineClient:
             return            # unreachable: its heartbeats decide
         known = set(reply.rids)
         for rid, stream in streams:
-            if rid not in known and time.monotonic() - stream.heard_at > self.stall_check_s:
+            if rid not in known and time.monotonic() - stream.heard_at > self.stall_check_s \
+                    and not await stream.recover():
                 stream.fail(StreamGap(f"the end of request {rid} was lost in transit"))
+
+    async def _resend(self, sched: str, subject: str, seq: int) -> list | None:
+        """The items of one of our streams from `seq` on, sent again by its scheduler."""
+        r = await self.bus.request(subjects.resend(sched), Resend(subject=subject, seq=seq), Resent, timeout=2,
+                                   idempotent=True)
+        if r.found:
+            self.resent_total += len(r.items)
+        return r.items if r.found else None
 
     def generate(self, req: GenerateRequest) -> AsyncIterator[Accepted | StreamChunk]:
         """Yield Accepted, then every StreamChunk; a StreamError raises its typed error.
@@ -176,6 +187,7 @@ class EngineClient:
             req.stream_subject = stream.subject
             acc = await self.bus.request(subject, req, accepted, timeout=timeout)
             self._streams[key] = (acc.scheduler, stream)
+            stream.refill = lambda seq, sched=acc.scheduler, subject=stream.subject: self._resend(sched, subject, seq)
             self._schedulers.setdefault(acc.scheduler, time.monotonic())
             if isinstance(acc, ProgramAccepted):
                 self._owners[key] = acc.scheduler

@@ -65,4 +65,5 @@ class GatewayService(Actor):
         return {"port": self.port, "inflight_http": self._inflight}
 
     def metrics(self) -> list[Sample]:
-        return [Sample(name="http_inflight", value=self._inflight)] + tenant_samples(self.app)
+        return [Sample(name="http_inflight", value=self._inflight),
+                Sample(name="stream_items_resent_total", value=self.client.resent_total)] + tenant_samples(self.app)

@@ -15,7 +15,7 @@ import asyncio
 import os
 
 from radixflow.shared import log, subjects
-from radixflow.shared.errors import ServiceUnavailable
+from radixflow.shared.errors import RequestTimeout, ServiceUnavailable
 from radixflow.shared.messages import DetokenizeReply, DetokenizeRequest, DetokItem, DetokResult, TokenizerInfo
 
 _log = log.get("scheduler")
@@ -56,10 +56,12 @@ class Detokenizer:
     async def run(self, items: list[DetokItem]) -> list[DetokResult]:
         if self.local is None:
             try:
+                # sent again after 2 s without an answer: a tokenizer killed or draining as it
+                # took the request never answers, and another instance (or its restart) will
                 reply = await self.bus.request(subjects.TOKENIZER_DETOKENIZE, DetokenizeRequest(items=items),
-                                               DetokenizeReply, timeout=10, idempotent=True)
+                                               DetokenizeReply, timeout=10, idempotent=True, attempt_s=2)
                 return reply.items
-            except ServiceUnavailable:
+            except (ServiceUnavailable, RequestTimeout):
                 # no tokenizer service (one restarting): the local copy, if it is on its way
                 if self._loading is None:
                     raise

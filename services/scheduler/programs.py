@@ -412,6 +412,7 @@ class ProgramDriver:
     async def _emit(self, run: ProgramRun, ev: ProgramEvent) -> None:
         ev.seq = run.seq
         run.seq += 1
+        self.sched.streams.record(run.subject, ev, ev.finished)
         await self._publish(run.subject, ev, run.json)
 
     async def _publish(self, subject: str, msg, as_json: bool = False) -> None:

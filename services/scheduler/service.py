@@ -24,7 +24,8 @@ from radixflow.shared.recent import Recent
 from radixflow.shared.messages import (AbortRequest, Accepted, Constraint,
                                        DetokItem, EncodeReply, EncodeRequest, ExecAccepted, ExecRequest, ExecutorInfo,
                                        GenerateRequest, GrammarCompile, GrammarCompiled, Heartbeat, LiveQuery, LiveReply,
-                                       ProgramQuery, ProgramRequest, RadixPlace, RadixPlaceReply, Sample, StatusRequest, StepOutput,
+                                       ProgramQuery, ProgramRequest, RadixPlace, RadixPlaceReply, Resend, Resent, Sample,
+                                       StatusRequest, StepOutput,
                                        StreamChunk, StreamError, TokenizerInfo, Usage)
 from radixflow.shared.validate import check_request
 
@@ -35,6 +36,7 @@ from .siblings import Siblings, child_rid
 from .structured import OutputCheck, check_constraint
 from .routing import Candidate, Router
 from .stops import StopMatcher
+from .streamlog import StreamLog
 from .table import RequestTable, Tracked, namespace_of
 from .tenants import RETRY_AFTER_S, TenantLedger, Ticket
 
@@ -80,6 +82,8 @@ class SchedulerService(Actor):
         self.route(subjects.PROGRAM_CANCEL, ProgramQuery, self.programs.cancel_if_owner)
         self.route(subjects.live(self.service, self.instance), LiveQuery, self.live, drain_last=True)
         self.ended = Recent(ENDED_KEEP_S)            # requests whose terminal item was sent moments ago
+        self.streams = StreamLog()                   # what was sent on each stream, for a gateway that lost some
+        self.route(subjects.resend(self.instance), Resend, self.resend, drain_last=True)
         self.recovery = Recovery(self)
         self.route(subjects.program_op(self.instance, "get"), ProgramQuery, self.programs.get, drain_last=True)
         self.route(subjects.program_op(self.instance, "cancel"), ProgramQuery, self.programs.cancel, drain_last=True)
@@ -160,14 +164,14 @@ class SchedulerService(Actor):
     async def _eos_ids(self) -> list[int]:
         if self._eos is None:
             info = await self.bus.request(subjects.TOKENIZER_INFO, StatusRequest(), TokenizerInfo, timeout=10,
-                                          idempotent=True)
+                                          idempotent=True, attempt_s=2)
             self._eos = list(info.eos_token_ids)
             self.detok.offer(info)
         return self._eos
 
     async def encode(self, text: str | None = None, messages=None, texts: list[str] | None = None) -> EncodeReply:
         return await self.bus.request(subjects.TOKENIZER_ENCODE, EncodeRequest(text=text, messages=messages, texts=texts),
-                                      EncodeReply, timeout=30, idempotent=True)
+                                      EncodeReply, timeout=30, idempotent=True, attempt_s=5)
 
     async def compile(self, c: Constraint | None) -> tuple[str | None, OutputCheck | None]:
         """The compiled grammar's key and the final-output check of a constraint (None: unconstrained)."""
@@ -384,21 +388,29 @@ class SchedulerService(Actor):
     async def publish_stream(self, subject: str, rid: str, item: StreamChunk | StreamError, as_json: bool) -> bool:
         """Send one stream item; False when it could not be sent. An unsendable end of a choice
         (an oversize last chunk) becomes the stream's terminal StreamError in its place."""
-        if isinstance(item, StreamError) or item.finished:
+        terminal = isinstance(item, StreamError) or item.finished
+        if terminal:
             self.ended.add(rid)
+        self.streams.record(subject, item, terminal)
         try:
             await self.bus.publish(subject, item, as_json)
             return True
         except RadixflowError as e:
             self.log.error("stream item not sent", rid=rid, error=e.message)
             if isinstance(item, StreamChunk) and (item.finished or item.finish_reason is not None):
+                err = StreamError(rid=rid, seq=item.seq, code=e.code, kind=e.kind,
+                                  message=f"the result could not be sent: {e.message}")
+                self.streams.record(subject, err, True)
                 try:
-                    await self.bus.publish(subject, StreamError(rid=rid, seq=item.seq, code=e.code, kind=e.kind,
-                                                                message=f"the result could not be sent: {e.message}"),
-                                           as_json)
+                    await self.bus.publish(subject, err, as_json)
                 except RadixflowError:
                     pass
             return False
+
+    async def resend(self, q: Resend) -> Resent:
+        """Items of a stream this scheduler sent, again: a gateway lost some on the way."""
+        items = self.streams.since(q.subject, q.seq)
+        return Resent(found=items is not None, items=items or [])
 
     async def abort_rids(self, rids: list[str]) -> None:
         """Stop these requests without a terminal event of their own (their stream already ended)."""
@@ -469,6 +481,8 @@ class SchedulerService(Actor):
         return by_exec
 
     def _release(self, t: Tracked) -> None:
+        if t.sink is None:
+            self.streams.close(t.stream_subject)
         ex = self.executors.get(t.executor)
         if ex is not None:
             ex.inflight = max(0, ex.inflight - 1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Msg
-from .requests import TenantLimits
+from .requests import StreamChunk, StreamError, TenantLimits
 
 
 # ---------------------------------------------------------------- programs
@@ -116,3 +116,16 @@ class ProgramInfo(Msg):
     id: str
     state: str                        # running | finished | cancelled | timeout
     nodes: list[NodeResult] = []
+
+
+class Resend(Msg):
+    """A gateway lost items of a stream on the way (NATS delivers at most once: a reconnect, a
+    node failover): the items of stream `subject` from `seq` on, asked of the scheduler that
+    sent them (rf.scheduler.<id>.resend)."""
+    subject: str
+    seq: int
+
+
+class Resent(Msg):
+    found: bool                       # False: the scheduler no longer has that stream's items
+    items: list[StreamChunk | StreamError | ProgramEvent] = []
