@@ -182,7 +182,7 @@ def nats_corpus(vocab: int) -> list[tuple[str, bytes, dict]]:
     c: list[tuple[str, bytes, dict]] = []
     subs = [subjects.SCHEDULER_SUBMIT, subjects.SCHEDULER_PROGRAM, subjects.TOKENIZER_ENCODE,
             subjects.TOKENIZER_DETOKENIZE, subjects.GRAMMAR_COMPILE, subjects.GRAMMAR_FETCH, subjects.RADIX_PLACE,
-            subjects.RADIX_FLUSH, subjects.radix_step("no-such-pool"), subjects.PROGRAM_GET]
+            subjects.RADIX_FLUSH, subjects.RADIX_ADOPT, subjects.radix_step("no-such-pool"), subjects.PROGRAM_GET]
     # (unknown fields are ignored, for services of different versions on one bus: a message of
     # nothing but unknown fields is a valid empty one, so they ride here beside a wrong type)
     for s in subs:
@@ -200,6 +200,7 @@ def nats_corpus(vocab: int) -> list[tuple[str, bytes, dict]]:
         (subjects.GRAMMAR_FETCH, json.dumps({"key": "no-such-key"}).encode(), js),
         (subjects.RADIX_PLACE, json.dumps({"namespace": "x", "token_ids": "abc", "pools": ["nobody"]}).encode(), js),
         (subjects.RADIX_FLUSH, json.dumps({"pool": 5, "scopes": "all"}).encode(), js),
+        (subjects.RADIX_ADOPT, json.dumps({"pool": "nobody", "held": []}).encode(), js),
     ]
     return c
 

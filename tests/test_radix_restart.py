@@ -117,3 +117,74 @@ def test_running_requests_survive_a_radix_restart(engine):
             out.setdefault(o.rid, []).extend(o.token_ids)
     assert forgot and out == want
     assert no_leak(engine)
+
+
+def test_held_parts_keep_order_and_stay_under_the_budget():
+    from radixflow.services.executor.pages import held_parts
+    from radixflow.shared import messages
+    held = [HeldPages(rid=f"r{i}", namespace="n", tokens=list(range(50 * (i + 1))), pages=list(range(i + 1)), computed=1)
+            for i in range(12)]
+    sizes = [len(messages.encode(h)) for h in held]
+    parts = held_parts(held, budget=400)
+    assert [h.rid for p in parts for h in p] == [h.rid for h in held]
+    for p in parts:      # a part passes the budget only when one request alone does
+        assert sum(len(messages.encode(h)) for h in p) <= 400 or len(p) == 1
+    assert len(parts) > 3 and any(s > 400 for s in sizes)
+    assert held_parts([]) == [[]] and held_parts(held) == [held]
+
+
+async def test_a_restarted_radix_service_takes_back_what_is_held_in_parts(models, monkeypatch):
+    """Over NATS, against the real radix service: after it forgets the pool, the executor registers
+    again with its running requests' pages in several messages (RadixRegister, then RadixAdopt),
+    and the requests finish as without the restart, with no page leaked."""
+    import asyncio
+    from radixflow.services.executor import pages as pages_mod
+    from radixflow.services.radix.service import RadixService
+    from radixflow.shared.bus import Bus
+    from radixflow.shared.config import BusConfig
+    from radixflow.shared.natsd import NatsServer
+    ids = {f"r{i}": prompt(200 + i, 40 + 150 * i) for i in range(4)}
+    reqs = lambda ns: [msgspec.structs.replace(req(r, p, max_new_tokens=6 + 4 * i, ignore_eos=True), namespace=ns)
+                       for i, (r, p) in enumerate(ids.items())]
+    with NatsServer() as srv:
+        bus, rbus = Bus("t", BusConfig(nats_url=srv.url)), Bus("radix", BusConfig(nats_url=srv.url))
+        await bus.connect()
+        await rbus.connect()
+        radix = RadixService(rbus)
+        await radix.start()
+        try:
+            remote = pages_mod.RemotePages(bus, asyncio.get_running_loop(), pool="p")
+            cfg = EngineConfig(model=models["tiny-hybrid"], page_size=16, max_total_tokens=16384, max_running_requests=8,
+                               max_prefill_tokens=256, overlap=False, pool="p", warmup_tokens=0)
+            engine = await asyncio.to_thread(Engine, cfg, remote)
+            want, _, _ = await asyncio.to_thread(run, engine, reqs("first"))
+            monkeypatch.setattr(pages_mod, "HELD_BYTES", 1)       # every request in its own message
+            adopted = []
+            real_adopt = radix.adopt
+
+            async def adopt(m):
+                adopted.append(len(m.held))
+                return await real_adopt(m)
+            for r in radix._routes:
+                if r.fn == real_adopt:
+                    r.fn = adopt
+            for r in reqs("second"):
+                engine.add(r)
+            out: dict[str, list[int]] = {}
+            start = engine.steps
+            while engine.has_work():
+                if engine.steps == start + 1 and not adopted and "p" in radix.pools:
+                    assert engine.num_running > 1
+                    radix.pools.clear()           # a restarted radix knows no pool
+                for _, o in await asyncio.to_thread(engine.step):
+                    assert not o.error, o.error
+                    out.setdefault(o.rid, []).extend(o.token_ids)
+            assert out == want
+            assert adopted and all(n == 1 for n in adopted)     # the second and later requests came in parts
+            st = radix.pools["p"].stats()
+            assert st["requests_held"] == 0 and st["kv_pages_private"] == 0
+            assert st["kv_pages_free"] + st["kv_pages_cached"] == st["kv_pages_total"]
+        finally:
+            await radix.stop()
+            await bus.close()
+            await rbus.close()

@@ -12,10 +12,31 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
+import msgspec
+
 from radixflow.services.radix.pool import PagePool
-from radixflow.shared import subjects
+from radixflow.shared import messages, subjects
 from radixflow.shared.errors import NotFound, ServiceUnavailable
-from radixflow.shared.messages import RadixRegister, RadixRegistered, RadixStep, RadixStepReply
+from radixflow.shared.messages import HeldPages, RadixAdopt, RadixRegister, RadixRegistered, RadixStep, RadixStepReply
+
+
+HELD_BYTES = 256 * 1024    # per register/adopt message: well under NATS's default 1 MiB max_payload
+
+
+def held_parts(held: list[HeldPages], budget: int | None = None) -> list[list[HeldPages]]:
+    """`held` in consecutive parts of at most `budget` encoded bytes each (one request alone may be
+    more); always at least one part, maybe empty."""
+    budget = HELD_BYTES if budget is None else budget
+    parts: list[list[HeldPages]] = [[]]
+    size = 0
+    for h in held:
+        n = len(messages.encode(h))
+        if parts[-1] and size + n > budget:
+            parts.append([])
+            size = 0
+        parts[-1].append(h)
+        size += n
+    return parts
 
 
 class PageAuthority(ABC):
@@ -73,17 +94,21 @@ class RemotePages(PageAuthority):
         return fut.result(self.timeout_s + 1)
 
     def register(self, msg: RadixRegister, wait_s: float = 30.0) -> None:
-        """Register, waiting (bounded) for the radix service to come up: services start in any order."""
+        """Register, waiting (bounded) for the radix service to come up: services start in any order.
+        What running requests hold goes in parts of about HELD_BYTES (RadixAdopt after the first)."""
         deadline = time.monotonic() + wait_s
-        msg.pool = self.pool
+        first, *rest = held_parts(msg.held)
+        msg = msgspec.structs.replace(msg, pool=self.pool, held=first)
         while True:
             try:
                 self._call(subjects.RADIX_REGISTER, msg, RadixRegistered)
-                return
+                break
             except ServiceUnavailable:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
+        for part in rest:
+            self._call(subjects.RADIX_ADOPT, RadixAdopt(pool=self.pool, held=part), RadixRegistered)
 
     def step(self, msg: RadixStep) -> RadixStepReply:
         return self.send(msg)()

@@ -15,7 +15,7 @@ from radixflow.shared.actor import Actor
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import ServiceConfig
 from radixflow.shared.errors import BadRequest, NotFound
-from radixflow.shared.messages import (Heartbeat, RadixFlush, RadixFlushed, RadixPlace, RadixPlaceReply, RadixRegister,
+from radixflow.shared.messages import (Heartbeat, RadixAdopt, RadixFlush, RadixFlushed, RadixPlace, RadixPlaceReply, RadixRegister,
                                        RadixRegistered, RadixStep, RadixStepReply, Sample)
 
 from .pool import PagePool
@@ -31,6 +31,7 @@ class RadixService(Actor):
         self.pools: dict[str, PagePool] = {}
         self.seen: dict[str, float] = {}
         self.route(subjects.RADIX_REGISTER, RadixRegister, self.register)
+        self.route(subjects.RADIX_ADOPT, RadixAdopt, self.adopt)
         self.route(subjects.radix_step("*"), RadixStep, self.step)
         self.route(subjects.RADIX_FLUSH, RadixFlush, self.flush)
         self.route(subjects.RADIX_PLACE, RadixPlace, self.place)
@@ -48,6 +49,14 @@ class RadixService(Actor):
         self.seen[req.pool] = time.monotonic()
         self.log.info("pool registered", pool=req.pool, pages=req.num_pages, page_size=req.page_size, cache=req.cache,
                       state_slots=req.num_state_slots, adopted_requests=len(req.held))
+        return RadixRegistered(pool=req.pool)
+
+    async def adopt(self, req: RadixAdopt) -> RadixRegistered:
+        pool = self.pools.get(req.pool)
+        if pool is None:
+            raise NotFound(f"unknown pool {req.pool!r}: register first")
+        pool.adopt(req.held)
+        self.log.info("pool adopted more", pool=req.pool, adopted_requests=len(req.held))
         return RadixRegistered(pool=req.pool)
 
     async def step(self, req: RadixStep) -> RadixStepReply:

@@ -39,6 +39,13 @@ class RadixRegistered(Msg):
     pool: str
 
 
+class RadixAdopt(Msg):
+    """More of what an executor's running requests hold, after its RadixRegister: a register with
+    many long requests would pass NATS's max_payload in one message, so `held` comes in parts."""
+    pool: str
+    held: list[HeldPages]
+
+
 class Candidate(Msg):
     """A waiting request the executor would like to start."""
     rid: str
