@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from radixflow.services.scheduler.streamlog import MAX_RESENT, StreamLog
-from radixflow.services.scheduler import streamlog
+from radixflow.shared import recent
 from radixflow.shared.messages import StreamChunk, StreamError
 
 from radixflow.shared.natsd import NatsServer
@@ -86,7 +86,7 @@ def chunk(seq: int, finished: bool = False) -> StreamChunk:
 
 def test_the_log_answers_from_any_seq_until_keep_s_after_the_end(monkeypatch):
     now = [0.0]
-    monkeypatch.setattr(streamlog.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(recent.time, "monotonic", lambda: now[0])
     log = StreamLog(keep_s=30)
     for s in range(5):
         log.record("a", chunk(s), False)

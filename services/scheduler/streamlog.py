@@ -6,10 +6,10 @@ at most max_items per stream (the latest; an older gap is past mending) and max_
 """
 from __future__ import annotations
 
-import time
 from collections import OrderedDict, deque
 
 from radixflow.shared.messages import ProgramEvent, StreamChunk, StreamError
+from radixflow.shared.recent import Recent
 
 Item = StreamChunk | StreamError | ProgramEvent
 KEEP_S = 30.0
@@ -22,7 +22,7 @@ class StreamLog:
     def __init__(self, keep_s: float = KEEP_S, max_streams: int = MAX_STREAMS, max_items: int = MAX_ITEMS):
         self.keep_s, self.max_streams, self.max_items = keep_s, max_streams, max_items
         self._streams: OrderedDict[str, deque[Item]] = OrderedDict()   # oldest stream first
-        self._ended: OrderedDict[str, float] = OrderedDict()           # subject -> when it ended
+        self._ended = Recent(keep_s, on_expire=lambda subject: self._streams.pop(subject, None))
 
     def record(self, subject: str, item: Item, terminal: bool) -> None:
         """`item` was sent (or is about to be) on `subject`; one of the same seq replaces it (the
@@ -32,24 +32,24 @@ class StreamLog:
             q = self._streams[subject] = deque(maxlen=self.max_items)
             while len(self._streams) > self.max_streams:
                 old, _ = self._streams.popitem(last=False)
-                self._ended.pop(old, None)
+                self._ended.discard(old)
         if q and q[-1].seq == item.seq:
             q[-1] = item
         else:
             q.append(item)
         if terminal:
             self.close(subject)
-        self._prune(time.monotonic())
+        self._ended.prune()
 
     def close(self, subject: str) -> None:
         """The stream ended (or its request was dropped): keep its items keep_s more."""
         if subject in self._streams and subject not in self._ended:
-            self._ended[subject] = time.monotonic()
+            self._ended.add(subject)
 
     def since(self, subject: str, seq: int) -> list[Item] | None:
         """The items of `subject` from `seq` on (at most MAX_RESENT); None when the stream is not
         known here, or its items from `seq` are gone."""
-        self._prune(time.monotonic())
+        self._ended.prune()
         q = self._streams.get(subject)
         if q is None or not q or q[0].seq > seq:
             return None
@@ -57,8 +57,3 @@ class StreamLog:
 
     def __len__(self) -> int:
         return len(self._streams)
-
-    def _prune(self, now: float) -> None:
-        while self._ended and now - next(iter(self._ended.values())) > self.keep_s:
-            subject, _ = self._ended.popitem(last=False)
-            self._streams.pop(subject, None)
