@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -171,18 +172,25 @@ class Bus:
             raise from_reply(out)
         return out
 
-    async def gather(self, subject: str, msg: Msg, reply: Any, *, window_s: float = 0.25) -> list[Any]:
+    async def gather(self, subject: str, msg: Msg, reply: Any, *, window_s: float = 0.25,
+                     expect: int = 0) -> list[Any]:
         """Scatter `msg` to every subscriber of `subject`; collect the answers that arrive within
-        `window_s` (errors and undecodable answers are skipped)."""
+        `window_s`, or until `expect` of them have (a busy instance can answer late, and a caller
+        that knows how many there are should not miss one for a fixed short window). Errors and
+        undecodable answers are skipped."""
         inbox = self.nc.new_inbox()
         got: list[bytes] = []
+        enough = asyncio.Event()
 
         async def on_reply(m: NatsMsg) -> None:
             got.append(m.data)
+            if expect and len(got) >= expect:
+                enough.set()
         sub = await self.nc.subscribe(inbox, cb=on_reply)
         try:
             await self.nc.publish(subject, self._encode(msg, subject), reply=inbox)
-            await asyncio.sleep(window_s)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(enough.wait(), window_s)
         finally:
             await sub.unsubscribe()
         out = []

@@ -116,9 +116,10 @@ def assert_idle_and_serving(c: Cluster, executors: int = 2) -> None:
     """Both executors back (a killed one restarted), every pool at its idle counts, new requests served."""
     c.wait_ready(120, executors=executors)
     deadline = time.monotonic() + 20
-    while not all(idle(p) for p in pools(c)) and time.monotonic() < deadline:
-        time.sleep(0.5)
     occ = pools(c)
+    while not (len(occ) >= executors and all(idle(p) for p in occ)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        occ = pools(c)
     assert len(occ) >= executors and all(idle(p) for p in occ), occ
     outs, _ = burst(c, n=4, max_tokens=4)
     assert [o["end"] for o in outs] == ["done"] * 4, outs

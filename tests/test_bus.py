@@ -87,6 +87,28 @@ async def test_explicit_timeout(nats_server):
     await bus.close()
 
 
+async def test_gather_waits_for_the_expected_answers_not_a_fixed_window(nats_server):
+    """/v1/memory gathers every live executor's report: one busy for longer than the short window
+    must still be counted (CI once saw one of two executors missing), and gather returns as soon as
+    all have answered."""
+    bus = await connect(nats_server.url)
+
+    def answer(delay: float, instance: str):
+        async def cb(m):
+            await asyncio.sleep(delay)
+            await bus.respond(m, StatusReply(service="t", instance=instance))
+        return cb
+    await bus.subscribe("t.gather", answer(0.0, "quick"))
+    await bus.subscribe("t.gather", answer(1.0, "busy"))
+    short = await bus.gather("t.gather", StatusRequest(), StatusReply, window_s=0.2)
+    assert "busy" not in [r.instance for r in short]       # why `expect` exists
+    t0 = time.monotonic()
+    both = await bus.gather("t.gather", StatusRequest(), StatusReply, window_s=30, expect=2)
+    assert sorted(r.instance for r in both) == ["busy", "quick"]
+    assert time.monotonic() - t0 < 20      # returned once both were in, not after the window
+    await bus.close()
+
+
 async def test_oversize_payload_is_a_clear_error_not_a_timeout(small_nats_server):
     bus = await connect(small_nats_server.url)
     assert bus.max_payload == 64 * 1024

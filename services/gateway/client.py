@@ -114,6 +114,11 @@ class EngineClient:
             except msgspec.ValidationError:
                 pass
 
+    def executors(self) -> list[str]:
+        """The executor instances beating within the timeout."""
+        now = time.monotonic()
+        return [i for i, (t, _) in self._executors.items() if now - t <= self.scheduler_timeout_s]
+
     def models(self) -> list[ExecutorInfo]:
         now = time.monotonic()
         seen: dict[str, ExecutorInfo] = {}
