@@ -3,6 +3,7 @@ one terminal event on its stream (a finished chunk or a StreamError), whatever e
 
     submit:  validate -> tokenize -> tenant limits -> pick executor -> track -> ExecRequest -> Accepted
     output:  StepOutput (one per executor step) -> one batched detokenize -> stop strings -> chunks
+             (output.py)
     watch:   an executor without heartbeat is dead: its requests end in 503; a request past its
              deadline ends in 504 (and is aborted on its executor)
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from radixflow.shared import log, subjects
+from radixflow.shared import subjects
 from radixflow.shared.actor import Actor
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import SchedulerConfig, ServiceConfig
@@ -22,20 +23,20 @@ from radixflow.shared.errors import BadRequest, Overloaded, RadixflowError, Requ
 from radixflow.shared.histogram import Histogram
 from radixflow.shared.recent import Recent
 from radixflow.shared.messages import (AbortRequest, Accepted, Constraint,
-                                       DetokItem, EncodeReply, EncodeRequest, ExecAccepted, ExecRequest, ExecutorInfo,
+                                       EncodeReply, EncodeRequest, ExecAccepted, ExecRequest, ExecutorInfo,
                                        GenerateRequest, GrammarCompile, GrammarCompiled, Heartbeat, LiveQuery, LiveReply,
-                                       ProgramQuery, ProgramRequest, RadixPlace, RadixPlaceReply, Resend, Resent, Sample,
+                                       ProgramQuery, ProgramRequest, RadixPlace, RadixPlaceReply, Resend, Sample,
                                        StatusRequest, StepOutput,
-                                       StreamChunk, StreamError, TokenizerInfo, Usage)
+                                       StreamError, TokenizerInfo)
 from radixflow.shared.validate import check_request
 
 from .detok import Detokenizer
+from .output import OutputPath
 from .programs import ProgramDriver
 from .recovery import Recovery
 from .siblings import Siblings, child_rid
 from .structured import OutputCheck, check_constraint
 from .routing import Candidate, Router
-from .stops import StopMatcher
 from .streamlog import StreamLog
 from .table import RequestTable, Tracked, namespace_of
 from .tenants import RETRY_AFTER_S, TenantLedger, Ticket
@@ -51,7 +52,7 @@ class ExecutorState:
     inflight: int = 0
 
 
-class SchedulerService(Actor):
+class SchedulerService(OutputPath, Actor):
     service = "scheduler"
 
     def __init__(self, bus: Bus, config: SchedulerConfig, service_config: ServiceConfig | None = None):
@@ -304,168 +305,13 @@ class SchedulerService(Actor):
         for ex, rids in by_exec.items():
             await self.bus.publish(subjects.executor_abort(ex), AbortRequest(rids=rids))
 
-    # ------------------------------------------------------------ output
-
-    async def on_output(self, step: StepOutput) -> None:
-        live = [(t, o) for o in step.outputs if (t := self.table.get(o.rid)) is not None and not t.stopping]
-        if not live:
-            return
-        now = time.monotonic()
-        gaps = [(t, o) for t, o in live if o.offset != len(t.output_ids)]
-        for t, o in gaps:
-            # an earlier output of it was lost (NATS delivers at most once): ask its executor for
-            # the missing tokens; only if it cannot say does the request fail
-            if not await self.recovery.fill_gap(t, o, step.executor):
-                await self.fail(t, 502, "stream_gap", f"output lost in transit: expected token {len(t.output_ids)}, "
-                                 f"got {o.offset} from executor {step.executor}", abort=not o.finished)
-        if gaps:
-            live = [(t, o) for t, o in live if o.offset == len(t.output_ids)]
-        for t, o in live:
-            t.heard_at = now
-            if o.token_ids:
-                if t.last_token_at:
-                    self.itl.observe((now - t.last_token_at) / len(o.token_ids))
-                else:
-                    self.ttft.observe(now - t.accepted_at)
-                t.last_token_at = now
-            t.output_ids.extend(o.token_ids)
-            t.cached_tokens = o.cached_tokens
-            t.logprobs.extend(o.logprobs)
-            t.top_logprobs.extend(o.top_logprobs)
-            if o.input_logprobs:
-                t.input_logprobs, t.input_top_logprobs = o.input_logprobs, o.input_top_logprobs
-        # a non-streaming request without stop strings is detokenized once, when it ends
-        live = [(t, o) for t, o in live if t.incremental or o.finished]
-        if not live:
-            return
-        try:
-            done = await self.detok.run([
-                DetokItem(ids=t.output_ids[t.prefix_offset:], prefix_offset=t.prefix_offset, read_offset=t.read_offset,
-                          skip_special_tokens=t.sampling.skip_special_tokens, flush=o.finished) for t, o in live])
-        except RadixflowError as e:
-            for t, _ in live:
-                await self.fail(t, e.code, e.kind, f"detokenization failed: {e.message}", abort=True)
-            return
-        stopped: dict[str, list[str]] = {}
-        for (t, o), d in zip(live, done):
-            t.prefix_offset, t.read_offset = d.prefix_offset, d.read_offset
-            text, hit = t.stops.feed(d.text, final=o.finished)
-            if t.check is not None:
-                t.text += text
-                bad = t.check.error(t.text, "stop" if hit is not None else o.finish_reason) \
-                    if (o.finished or hit is not None) and not o.error else None
-                if bad is not None:
-                    if o.finished and o.finish_reason != "length" and await self._resample(t, bad):
-                        continue
-                    await self.fail(t, 400 if o.finish_reason == "length" else 500,
-                                     "invalid_request_error" if o.finish_reason == "length" else "invalid_output",
-                                     bad + (f" (after {t.resamples + 1} attempts)" if t.resamples else ""),
-                                     abort=not o.finished)
-                    continue
-            if o.error:
-                await self.fail(t, o.error_code, "service_unavailable" if o.error_code == 503 else "internal_error",
-                                 o.error)
-            elif hit is not None:
-                t.stopping = True
-                await self._end(t, text, "stop", hit)
-                if not o.finished:
-                    stopped.setdefault(t.executor, []).append(t.rid)
-            elif o.finished:
-                await self._end(t, text, o.finish_reason or "stop", o.matched_stop)
-            elif t.hold:
-                t.held += text
-            else:
-                await self._send(t, t.take(text))
-        for ex, rids in stopped.items():
-            await self.bus.publish(subjects.executor_abort(ex), AbortRequest(rids=rids))
-
-    async def _send(self, t: Tracked, item: StreamChunk | StreamError) -> None:
-        if t.sink is not None:
-            await t.sink(item)
-            return
-        await self.publish_stream(t.stream_subject, t.rid, item, t.json)
-
-    async def publish_stream(self, subject: str, rid: str, item: StreamChunk | StreamError, as_json: bool) -> bool:
-        """Send one stream item; False when it could not be sent. An unsendable end of a choice
-        (an oversize last chunk) becomes the stream's terminal StreamError in its place."""
-        terminal = isinstance(item, StreamError) or item.finished
-        if terminal:
-            self.ended.add(rid)
-        self.streams.record(subject, item, terminal)
-        try:
-            await self.bus.publish(subject, item, as_json)
-            return True
-        except RadixflowError as e:
-            self.log.error("stream item not sent", rid=rid, error=e.message)
-            if isinstance(item, StreamChunk) and (item.finished or item.finish_reason is not None):
-                err = StreamError(rid=rid, seq=item.seq, code=e.code, kind=e.kind,
-                                  message=f"the result could not be sent: {e.message}")
-                self.streams.record(subject, err, True)
-                try:
-                    await self.bus.publish(subject, err, as_json)
-                except RadixflowError:
-                    pass
-            return False
-
-    async def resend(self, q: Resend) -> Resent:
-        """Items of a stream this scheduler sent, again: a gateway lost some on the way."""
-        items = self.streams.since(q.subject, q.seq)
-        return Resent(found=items is not None, items=items or [])
+    # ------------------------------------------------------------ requests ended elsewhere
 
     async def abort_rids(self, rids: list[str]) -> None:
         """Stop these requests without a terminal event of their own (their stream already ended)."""
         for ex, gone in self.forget(rids).items():
             try:
                 await self.bus.publish(subjects.executor_abort(ex), AbortRequest(rids=gone))
-            except RadixflowError:
-                pass
-
-    async def _end(self, t: Tracked, text: str, reason: str, matched) -> None:
-        if self.table.finish(t.rid) is None:
-            return
-        self.e2e.observe(time.monotonic() - t.accepted_at)
-        self._release(t)
-        text, t.held = t.held + text, ""
-        await self._send(t, t.take(text, finished=True, finish_reason=reason, matched_stop=matched, usage=Usage(
-            prompt_tokens=t.prompt_tokens, completion_tokens=len(t.output_ids), cached_tokens=t.cached_tokens,
-            resamples=t.resamples),
-            input_logprobs=t.input_logprobs, input_top_logprobs=t.input_top_logprobs, input_ids=t.prompt_ids))
-
-    async def _resample(self, t: Tracked, why: str) -> bool:
-        """A finished output failed the check of what its grammar does not enforce: sample it again
-        with another seed (greedy requests are sampled at temperature 1: greedy would repeat
-        itself), if nothing of it has reached the client and attempts remain. False: fail it."""
-        if t.resamples >= self.cfg.max_resamples or t.next_seq or t.exec_req is None:
-            return False
-        t.resamples += 1
-        self.resampled_total += 1
-        with log.bind_request(t.rid):
-            self.log.info("output failed its check; resampling", attempt=t.resamples + 1, why=why[:200])
-        s = t.exec_req.sampling
-        seed = (s.seed if s.seed is not None else 0x5EED) + 7919 * t.resamples
-        sampling = msgspec.structs.replace(s, seed=seed, temperature=s.temperature if s.temperature > 0 else 1.0)
-        req = msgspec.structs.replace(t.exec_req, sampling=sampling, after="", logprob_start=-1)
-        t.output_ids, t.logprobs, t.top_logprobs = [], [], []
-        t.prefix_offset = t.read_offset = t.sent = 0
-        t.heard_at = time.monotonic()
-        t.text, t.held = "", ""
-        t.stops = StopMatcher(t.sampling.stop)
-        try:
-            await self.bus.request(subjects.executor_submit(t.executor), req, ExecAccepted, timeout=40)
-        except RadixflowError as e:
-            await self.fail(t, e.code, e.kind, f"resampling failed: {e.message}")
-        return True
-
-    async def fail(self, t: Tracked, code: int, kind: str, message: str, abort: bool = False) -> None:
-        if self.table.finish(t.rid) is None:
-            return
-        self._release(t)
-        with log.bind_request(t.rid):
-            self.log.warning("request failed", code=code, error=message)
-        await self._send(t, StreamError(rid=t.rid, seq=t.take_seq(), code=code, kind=kind, message=message))
-        if abort:
-            try:
-                await self.bus.publish(subjects.executor_abort(t.executor), AbortRequest(rids=[t.rid]))
             except RadixflowError:
                 pass
 
@@ -479,13 +325,6 @@ class SchedulerService(Actor):
                 self._release(t)
                 by_exec.setdefault(t.executor, []).append(rid)
         return by_exec
-
-    def _release(self, t: Tracked) -> None:
-        if t.sink is None:
-            self.streams.close(t.stream_subject)
-        ex = self.executors.get(t.executor)
-        if ex is not None:
-            ex.inflight = max(0, ex.inflight - 1)
 
     async def live(self, q: LiveQuery) -> LiveReply:
         """The asked requests and programs this scheduler still has, or ended moments ago."""
