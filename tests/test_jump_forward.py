@@ -65,14 +65,15 @@ _made: dict = {}
 
 
 def made(model: str):
-    """Per model, made once for the module: its grammar engines, and three Engines: jump-forward
-    on, off, and off without a cache (each test leaves them empty)."""
+    """Per model, made once for the module: its grammar engines, and four Engines: jump-forward
+    on, off, off without a cache, and on with only certain tokens drafted (each test leaves them
+    empty)."""
     if model not in _made:
         ready, failed = make_all(model)
-        mk = lambda jf, cache=True: Engine(EngineConfig(model=model, page_size=16, max_total_tokens=8192,
-                                                        max_running_requests=16, max_prefill_tokens=2048,
-                                                        jump_forward=jf, disable_radix_cache=not cache))
-        _made[model] = ready, failed, mk(8), mk(0), mk(0, cache=False)
+        mk = lambda jf, cache=True, policy="all": Engine(EngineConfig(
+            model=model, page_size=16, max_total_tokens=8192, max_running_requests=16, max_prefill_tokens=2048,
+            jump_forward=jf, jump_forward_policy=policy, disable_radix_cache=not cache))
+        _made[model] = ready, failed, mk(8), mk(0), mk(0, cache=False), mk(8, policy="certain")
     return _made[model]
 
 
@@ -82,11 +83,12 @@ def made(model: str):
                                           pytest.param("tiny-hybrid-qwen3.5", "llguidance", marks=pytest.mark.slow)])
 def test_greedy_output_is_the_same_with_and_without_jump_forward(request, models, name, backend):
     model = models.get(name) or request.getfixturevalue("q35")
-    ready, failed, with_jf, without, cold = made(model)
+    ready, failed, with_jf, without, cold, certain = made(model)
     assert backend in ready, failed
     grammars = [Compiled(ready[backend], s) for s in SCHEMAS]
     eos = [0, 2]
     drafted, kept, steps_jf, steps = (with_jf.runner.drafted, with_jf.runner.kept, with_jf.steps, without.steps)
+    sure, sure_kept, sure_certain = certain.runner.drafted, certain.runner.kept, certain.runner.certain
 
     def reqs():
         rs = [(ExecRequest(rid=f"c{i}", input_ids=prompt(i, 20 + 7 * i), eos_token_ids=eos,
@@ -103,6 +105,10 @@ def test_greedy_output_is_the_same_with_and_without_jump_forward(request, models
     assert a == b
     assert with_jf.runner.drafted > drafted and with_jf.runner.kept > kept
     assert without.runner.drafted == 0
+    # only certain tokens drafted: the same output, every drafted token kept, none of them sampled
+    assert run(certain, grammars, reqs()) == b
+    n = certain.runner.drafted - sure
+    assert n > 0 and certain.runner.kept - sure_kept == n and certain.runner.certain - sure_certain == n
     # fewer steps for the same tokens: the kept drafts cost no step of their own
     assert with_jf.steps - steps_jf < without.steps - steps
     # the hybrid cache kept the state at page boundaries crossed inside a step: a follow-up request
@@ -183,3 +189,46 @@ def test_draft_rows_are_sampled_over_their_allowed_tokens_only(models):
     want = torch.softmax(full[0], -1)[allowed[0]]
     got = torch.tensor([tokens.count(t) / n for t in allowed[0]])
     assert (got - want).abs().max() < 0.03, (got, want)
+
+
+def test_certain_draft_tokens_are_those_the_grammar_alone_allows(models):
+    """runner.mark_certain: a sequence's `certain` counts its draft's first tokens at which the
+    mask allows that token and no other, checked here position by position against the matcher's
+    own mask; the matchers are left where they were."""
+    import torch
+    import xgrammar as xgr
+    from radixflow.services.executor.constrain import single_allowed
+    from radixflow.services.executor.sequence import Sequence
+    model = models["tiny-dense"]
+    ready, failed, _, without, *_ = made(model)
+    runner = without.runner
+    d = Drafter(model, max_draft=8)
+    g = Compiled(ready["xgrammar"], SCHEMAS[1])
+    seqs = []
+    for i, prefix in enumerate(['[{"', '[{"identifier": "constant', '[{"identifier": "constant-value-here", "fl']):
+        seq = Sequence(rid=f"s{i}", tokens=[5], sampling=SamplingParams(max_new_tokens=50), eos_ids=frozenset())
+        seq.matcher = g.load_grammar().matcher()
+        for t in d.encode(prefix):
+            assert seq.matcher.accept_token(t)
+            seq.tokens.append(t)
+        seq.draft = d.draft(seq)
+        seqs.append(seq)
+    assert all(s.draft for s in seqs)
+    before = [s.matcher.forced_text() for s in seqs]
+    runner.mark_certain(seqs)
+    assert [s.matcher.forced_text() for s in seqs] == before
+    bm = xgr.allocate_token_bitmask(1, runner.spec.vocab_size)
+    for s in seqs:
+        want = 0
+        for t in s.draft:
+            s.matcher.m.fill_next_token_bitmask(bm, 0)
+            allowed = torch.tensor([(int(w) >> b) & 1 for w in bm[0].tolist() for b in range(32)]).nonzero()[:, 0]
+            allowed = allowed[allowed < runner.spec.vocab_size].tolist()
+            assert bool(single_allowed(bm, 1)[0]) == (len(allowed) == 1)
+            if allowed != [t]:
+                break
+            want += 1
+            s.matcher.accept_token(t)
+        s.matcher.rollback(want)
+        assert s.certain == want, (s.rid, d.tok.decode(s.draft), s.certain, want)
+    assert any(s.certain for s in seqs)

@@ -351,6 +351,20 @@ def test_gdr_decode_depths_equals_depth_by_depth(counts):
     assert len(saved) == len(ref_saved)
     for a, b in zip(saved, ref_saved):
         close(a, b)
+    # in a pool, and without keeping the states between depths (no draft of the step can be undone)
+    from radixflow.kernels.gated_delta_rule.naive import gated_delta_rule_decode_depths_slots
+    slots = torch.randperm(2 * N)[:N]
+    for keep in (True, False):
+        pool = torch.randn(2 * N, 4, 32, 48)
+        pool[slots] = h0
+        untouched = pool.clone()
+        o, saved = gated_delta_rule_decode_depths_slots(q, k, v, g, beta, pool, slots, counts, keep=keep)
+        close(o, torch.cat(ref_o))
+        close(pool[slots], ref_state)
+        others = torch.ones(2 * N, dtype=torch.bool)
+        others[slots] = False
+        assert torch.equal(pool[others], untouched[others])
+        assert len(saved) == (len(ref_saved) if keep else 0)
 
 
 @pytest.mark.parametrize("counts", DEPTHS)

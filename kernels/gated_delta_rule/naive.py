@@ -216,13 +216,37 @@ def gated_delta_rule_decode_depths_slots(
     slots: torch.Tensor,
     counts: list[int],
     use_qk_l2norm: bool = True,
+    keep: bool = True,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """gated_delta_rule_decode_depths on states in a pool: sequence i's state is pool[slots[i]]
-    (slots: [counts[0]], distinct), updated there. Returns o and saved as that function does."""
+    (slots: [counts[0]], distinct), updated there. Returns o and saved as that function does;
+    with keep=False (no draft of the step can be undone) saved is [] and the depths run in place."""
     st = pool[slots]
-    o, saved = gated_delta_rule_decode_depths(q, k, v, g, beta, st, counts, use_qk_l2norm)
+    if keep:
+        o, saved = gated_delta_rule_decode_depths(q, k, v, g, beta, st, counts, use_qk_l2norm)
+    else:
+        o, saved = _decode_depths_in_place(q, k, v, g, beta, st, counts, use_qk_l2norm), []
     pool[slots] = st
     return o, saved
+
+
+def _decode_depths_in_place(q, k, v, g, beta, state: torch.Tensor, counts: list[int], use_qk_l2norm: bool) -> torch.Tensor:
+    """gated_delta_rule_decode_depths keeping no state but the last: each depth updates its
+    sequences' states (a prefix of `state`, contiguous) in place."""
+    out_dtype = q.dtype
+    group = _group(k.shape[-2], v.shape[-2])
+    q, k = _prepare_qk(q, k, use_qk_l2norm)
+    q, k = _expand_heads(q, group), _expand_heads(k, group)
+    v, g, beta = v.float(), g.float(), beta.float()
+    work = state if state.dtype == torch.float32 and state.is_contiguous() else state.float().contiguous()
+    o = torch.empty_like(v)
+    s = 0
+    for n in counts:
+        o[s:s + n] = _decode_step(q[s:s + n], k[s:s + n], v[s:s + n], g[s:s + n], beta[s:s + n], work[:n])
+        s += n
+    if work is not state:
+        state.copy_(work)
+    return o.to(out_dtype)
 
 
 def recurrent_gated_delta_rule(

@@ -129,11 +129,13 @@ def _gdr_depths(Q, K, V, G, BETA, O, POOL, SLOTS, OFFS, LENS, SAVED, scale,
 
 def gated_delta_rule_decode_depths_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                          beta: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
-                                         counts: list[int], use_qk_l2norm: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                                         counts: list[int], use_qk_l2norm: bool = True,
+                                         keep: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """naive.gated_delta_rule_decode_depths_slots: a decode step with jump-forward drafts, rows
     depth-major; each program runs its sequence's depths in turn with the state in registers and
     stores the state after every depth but its last into `saved` ([D-1, N, Hv, K, V], returned as
-    views saved[d][:counts[d+1]])."""
+    views saved[d][:counts[d+1]]). `keep` is accepted for the reference's signature; the stores
+    are kept either way (from registers, a small part of the kernel's traffic)."""
     if not use_qk_l2norm:
         raise ValueError("the depth kernel normalizes q and k (as every Gated DeltaNet layer does)")
     N, D = counts[0], len(counts)

@@ -4,7 +4,8 @@
    service, and through the bus), for the same schema reformatted;
 2. decode: tokens/s at batch 16 with a JSON schema vs unconstrained, counted over the steps in
    which all 16 rows are running (so early finishers do not skew either side); the constrained
-   side with and without jump-forward decoding (executor/jump.py), on two engines of one process.
+   side with and without jump-forward decoding (executor/jump.py), drafting every forced token or
+   only the certain ones, on three engines of one process.
 """
 from __future__ import annotations
 
@@ -80,6 +81,8 @@ def _decode(model: str, blob: bytes, batch: int, new_tokens: int, rounds: int) -
     grammar = make("xgrammar", model).load(zlib.decompress(blob))
     plain = Engine(EngineConfig(model=model, max_running_requests=batch, burst_gap_s=0, jump_forward=0))
     jumping = Engine(EngineConfig(model=model, max_running_requests=batch, burst_gap_s=0, jump_forward=JUMP_FORWARD))
+    sure = Engine(EngineConfig(model=model, max_running_requests=batch, burst_gap_s=0, jump_forward=JUMP_FORWARD,
+                               jump_forward_policy="certain"))
 
     def run(engine: Engine, constrained: bool) -> tuple[float, float]:
         """tokens/s over the steps in which all rows run, and tokens per such step per row."""
@@ -102,17 +105,18 @@ def _decode(model: str, blob: bytes, batch: int, new_tokens: int, rounds: int) -
             return float("nan"), float("nan")
         return full_tokens / full_time, full_tokens / full_steps / batch
 
-    for e in (plain, jumping):                            # warm up every path
+    for e in (plain, jumping, sure):                      # warm up every path
         run(e, False)
         run(e, True)
     # interleaved rounds, so that a machine slowing down or speeding up meanwhile skews no side; the
     # ratios are the medians of each round's own (paired) ratios, steadier than a ratio of medians
     # where the machine's speed drifts by tens of percent from one round to the next
-    frees, constraineds, jf = [], [], []
+    frees, constraineds, jf, certain = [], [], [], []
     for _ in range(rounds):
         frees.append(run(plain, False)[0])
         constraineds.append(run(plain, True)[0])
         jf.append(run(jumping, True))
+        certain.append(run(sure, True)[0])
     free, constrained = statistics.median(frees), statistics.median(constraineds)
     jf_tok_s = statistics.median(r[0] for r in jf)
     st = jumping.stats()
@@ -126,7 +130,12 @@ def _decode(model: str, blob: bytes, batch: int, new_tokens: int, rounds: int) -
             "jump_forward_vs_unconstrained": paired(jfs, frees),
             "jump_forward_vs_constrained": paired(jfs, constraineds),
             "jump_forward_tokens_per_row_step": round(statistics.median(r[1] for r in jf), 3),
-            "jump_forward_max_draft": JUMP_FORWARD, "jump_forward_drafted": st["jump_forward_drafted_total"], "jump_forward_kept": st["jump_forward_kept_total"]}
+            "jump_forward_max_draft": JUMP_FORWARD, "jump_forward_drafted": st["jump_forward_drafted_total"],
+            "jump_forward_kept": st["jump_forward_kept_total"], "jump_forward_certain": st["jump_forward_certain_total"],
+            # drafting only the tokens the grammar alone allows: never undone, never sampled
+            "json_schema_jump_forward_certain_tok_s": round(statistics.median(certain), 1),
+            "jump_forward_certain_vs_constrained": paired(certain, constraineds),
+            "jump_forward_certain_drafted": sure.stats()["jump_forward_drafted_total"]}
 
 
 def run_structured(model: str, repeats: int = 200, batch: int = 16, new_tokens: int = 256, rounds: int = 5) -> dict:

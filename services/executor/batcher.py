@@ -128,7 +128,7 @@ class Batcher:
         seq.status = Status.WAITING
         seq.pages, seq.slots, seq.cached_len, seq.computed_len = [], None, 0, 0
         seq.state_slot, seq.restore_slot, seq.tail_slot, seq.tail_pos = -1, -1, -1, 0
-        seq.state_ready, seq.checkpoints, seq.draft, seq.growing = False, {}, [], False
+        seq.state_ready, seq.checkpoints, seq.draft, seq.certain, seq.growing = False, {}, [], 0, False
         self.waiting.appendleft(seq)
         self._retry = True
 
@@ -170,7 +170,7 @@ class Batcher:
                 budget -= n
         if prefill and mixed:
             for s in decoding:
-                s.draft = []      # a jump-forward draft is verified by decode steps only
+                s.draft, s.certain = [], 0      # a jump-forward draft is verified by decode steps only
             return Plan(False, [s for s, _ in prefill] + decoding, [n for _, n in prefill] + [1] * len(decoding),
                         mixed=True)
         if prefill:

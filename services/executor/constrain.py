@@ -55,6 +55,15 @@ class Constrainer:
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
+def single_allowed(bitmask: torch.Tensor, rows: int) -> torch.Tensor:
+    """Whether each of the first `rows` bitmask rows allows exactly one token: [rows] bool. Such a
+    row has one nonzero word (so the row's sum is that word), a power of two (bit 31 included:
+    its w - 1 wraps around to 2^31 - 1, which shares no bit with it)."""
+    bm = bitmask[:rows]
+    w = bm.sum(-1, dtype=torch.int32)
+    return ((bm != 0).sum(-1) == 1) & ((w & (w - 1)) == 0)
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], mask_rows: list[int] | None = None) -> None:
     """logits[r, t] = -inf where bit t of bitmask[r] is clear, for r in rows (CPU, in place; with
     mask_rows, row rows[j] reads bitmask row mask_rows[j]); the

@@ -69,6 +69,9 @@ class EngineConfig:
     # structured output: draft the tokens of text the grammar forces and verify them in the next
     # decode step (jump.py); at most this many per step, 0: off
     jump_forward: int = 0
+    # which forced tokens: "all", or only "certain" ones (the only token the grammar allows there:
+    # kept without sampling, never undone)
+    jump_forward_policy: str = "all"
     # Overlap (SGLang's overlap scheduler, for the page authority): while sequences are running, a
     # step's exchange with radix travels while the step computes, and its admissions join the next
     # step, so the round trip is off the compute thread's critical path. An idle engine still
@@ -104,6 +107,8 @@ class Engine(RadixExchange):
         self.cache = not cfg.disable_radix_cache
         if cfg.warmup_tokens > 0:
             self.runner.warmup(cfg.warmup_tokens)
+        if cfg.jump_forward_policy not in ("all", "certain"):
+            raise ValueError(f"jump_forward_policy must be 'all' or 'certain', not {cfg.jump_forward_policy!r}")
         self.drafter = Drafter(cfg.model, cfg.jump_forward) if cfg.jump_forward > 0 else None
         self.pages = pages or LocalPages()
         self._register = RadixRegister(pool=cfg.pool, num_pages=self.num_pages, page_size=cfg.page_size,
@@ -234,7 +239,8 @@ class Engine(RadixExchange):
         return dict(self.counters) | {"running": self.num_running, "waiting": self.num_waiting, "steps": self.steps,
                                       "preempted_total": self.preempted,
                                       "jump_forward_drafted_total": self.runner.drafted,
-                                      "jump_forward_kept_total": self.runner.kept}
+                                      "jump_forward_kept_total": self.runner.kept,
+                                      "jump_forward_certain_total": self.runner.certain}
 
     # ------------------------------------------------------------ the loop (compute thread)
 
@@ -317,6 +323,7 @@ class Engine(RadixExchange):
         outs = []
         state = self.runner.state
         ps = self.page_size
+        drafting = []
         for i, (seq, ext) in enumerate(zip(plan.seqs, plan.extend_lens)):
             new = toks.get(i, [])
             before = seq.computed_len
@@ -373,7 +380,14 @@ class Engine(RadixExchange):
             if self.drafter is not None and seq.matcher is not None and not has_penalties(seq.sampling):
                 # penalized rows are left out: a row's penalties would have to count the draft before it
                 seq.draft = self.drafter.draft(seq)
+                if seq.draft:
+                    drafting.append(seq)
             outs.append(self._output(seq, new))
+        if drafting:
+            self.runner.mark_certain(drafting)
+            if self.cfg.jump_forward_policy == "certain":
+                for seq in drafting:
+                    del seq.draft[seq.certain:]
         return outs
 
     def _output(self, seq: Sequence, new: list[int]) -> tuple[str, SeqOutput]:

@@ -97,6 +97,7 @@ class RadixExchange(_Base):
             room = len(s.pages) * self.page_size
             if len(s.tokens) + len(s.draft) > room:
                 s.draft = s.draft[:max(room - len(s.tokens), 0)]
+                s.certain = min(s.certain, len(s.draft))
             if len(s.tokens) > room:
                 self.batcher.preempt(s)
                 self.preempted += 1

@@ -47,6 +47,9 @@ class ForwardBatch:
     rows_of: list[list[int]] | None = None         # plan sequence -> its rows, by depth
     order_pos: dict[str, int] | None = None        # request id -> its sequence's place in that order
     saved: list = field(default_factory=list)      # per DeltaNet layer: ([conv state after depth d], [recurrent ...])
+    # whether the states after each depth must be kept: some draft row may be undone, or a page
+    # boundary falls inside a draft (its tail checkpoint is the state there)
+    keep_states: bool = True
     # hybrid prefill: states wanted inside a sequence's chunk (planned checkpoints), so that a
     # checkpoint does not cut the step: seq index -> [(k, slot)], the state after its first k new
     # tokens (0 < k < extend_len) copied to `slot`, ascending k

@@ -11,7 +11,7 @@ from .batcher import Plan
 from radixflow.kernels.attention import SharedPrefix
 from radixflow.kernels.dispatch import pick as pick_kernels
 
-from .constrain import Constrainer, allowed_tokens
+from .constrain import Constrainer, allowed_tokens, single_allowed
 from .forward_batch import ForwardBatch
 from .memory import KVPool, MemoryPlan, StatePool
 from .models import CausalLM, ModelSpec, load_model
@@ -111,6 +111,7 @@ class ModelRunner:
         self.last: ForwardBatch | None = None   # the last step's batch (state_after reads its saved states)
         self.drafted = 0     # jump-forward draft tokens computed ...
         self.kept = 0        # ... and kept
+        self.certain = 0     # ... of them, the only token allowed there (kept without sampling)
 
     def warmup(self, tokens: int = 2048) -> None:
         """One prefill and a few decode steps on scratch pages before serving, so the first request
@@ -267,6 +268,7 @@ class ModelRunner:
             fb.depth_bounds = bounds
             fb.rows_of = rows_of
             fb.order_pos = {seqs[i].rid: j for j, i in enumerate(order)}
+            fb.keep_states = any(len(s.draft) > s.certain or self._boundary_inside(s) for s in seqs if s.draft)
         # groups are found among sequences, as without drafts, then take in all rows of their members
         groups = shared_prefixes([s.pages for s in seqs], [s.computed_len for s in seqs], ps, dev, singles=True)
         fb.groups = [SharedPrefix(seqs=[r for i in g.seqs for r in rows_of[i]], slots=g.slots, start=g.start)
@@ -284,6 +286,13 @@ class ModelRunner:
         else:
             fb.slot_table = torch.nn.utils.rnn.pad_sequence(seq_slots, batch_first=True)
         return fb
+
+    def _boundary_inside(self, s) -> bool:
+        """A page boundary after one of s's draft rows but its last: the engine's tail checkpoint
+        is the state as it was there (engine._postprocess), so the step must keep it."""
+        ps, before = self.kv.page_size, s.computed_len
+        after = before + 1 + len(s.draft)
+        return s.tail_slot >= 0 and after // ps > before // ps and after % ps != 0
 
     def run(self, plan: Plan) -> dict[int, list[int]]:
         """Run one step; returns {index in plan.seqs: its new tokens} for sequences that produce
@@ -334,10 +343,14 @@ class ModelRunner:
                 rows[r] = s
         self._fill_drafts(seqs, fb.rows_of, n)
         forced = [r for s, rs in zip(seqs, fb.rows_of) if s.matcher is not None and self._plain(s.sampling)
-                  for r in rs[:len(s.draft)]]
+                  for r in rs[s.certain:len(s.draft)]]
         tokens = [0] * n
         lps, tops = [None] * n, [None] * n
         done = self._sample_allowed(hidden, forced, rows, tokens) if forced else set()
+        for s, rs in zip(seqs, fb.rows_of):      # the only token allowed: what sampling would give
+            for d in range(s.certain):
+                tokens[rs[d]] = s.draft[d]
+                done.add(rs[d])
         full = [r for r in range(n) if r not in done]
         if full:
             logits = self.model.lm_head(hidden[torch.tensor(full, dtype=torch.int64, device=hidden.device)]).float()
@@ -358,10 +371,11 @@ class ModelRunner:
             if s.draft:
                 self.drafted += len(s.draft)
                 self.kept += len(kept) - 1
+                self.certain += s.certain
                 if len(kept) <= len(s.draft) and self.state is not None:
                     self.state_after(s.rid, len(kept) - 1, s.state_slot)
             new[i] = kept
-            s.draft = []
+            s.draft, s.certain = [], 0
         return new
 
     @staticmethod
@@ -404,6 +418,29 @@ class ModelRunner:
             tokens[r] = t
         return set(rows)
 
+    def mark_certain(self, seqs: list) -> None:
+        """Set each drafting sequence's `certain`: how many of its draft's first tokens are the only
+        token its grammar allows there (a key's closing `":` where no other spelling is legal). Such
+        a token is what sampling under the mask would give, whatever the logits: the next step
+        keeps it without sampling it, and can never have to undo it. The matchers walk the drafts
+        depth by depth, one batched mask fill per depth, as long as every token so far is certain."""
+        live = [s for s in seqs if s.draft and self._plain(s.sampling)]
+        for s in seqs:
+            s.certain = 0
+        d = 0
+        while live:
+            self.constrainer.fill(list(range(len(live))), [s.matcher for s in live], len(live))
+            single = single_allowed(self.constrainer.bitmask, len(live)).tolist()
+            live = [s for s, one in zip(live, single) if one]
+            for s in live:
+                s.matcher.accept_token(s.draft[d])     # legal: the drafter checked it
+                s.certain += 1
+            d += 1
+            live = [s for s in live if d < len(s.draft)]
+        for s in seqs:
+            if s.certain:
+                s.matcher.rollback(s.certain)
+
     def _fill_drafts(self, seqs: list, rows_of: list[list[int]], num_rows: int) -> None:
         """Grammar masks for every row of a step with drafts, into the bitmask rows of the same
         index. A sequence's row at depth d gets the mask of its matcher after the first d draft
@@ -412,7 +449,9 @@ class ModelRunner:
         con = [(s, rs) for s, rs in zip(seqs, rows_of) if s.matcher is not None]
         live, d = con, 0
         while live:
-            self.constrainer.fill([rs[d] for _, rs in live], [s.matcher for s, _ in live], num_rows)
+            unsure = [(s, rs) for s, rs in live if d >= s.certain]      # a certain row is not sampled
+            if unsure:
+                self.constrainer.fill([rs[d] for _, rs in unsure], [s.matcher for s, _ in unsure], num_rows)
             live = [(s, rs) for s, rs in live if d < len(s.draft)]
             for s, _ in live:
                 s.matcher.accept_token(s.draft[d])      # legal: the drafter checked it

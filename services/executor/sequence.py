@@ -52,6 +52,7 @@ class Sequence:
     checkpoint_at: list[int] = field(default_factory=list)   # extra checkpoints asked for (fork points)
     matcher: Any = None          # structured output: a grammar Matcher (grammar/backends) over the output
     draft: list[int] = field(default_factory=list)   # jump-forward: forced tokens after the pending one (jump.py)
+    certain: int = 0     # ... of which the first `certain` are the only token the grammar allows there
     priority: int = 0            # admission order (speculative program branches: lower)
     arrived: float = 0.0         # monotonic time of Engine.add, until it gets pages (queue_seconds)
     quota_pages: int = 0         # > 0: its namespace's owner may keep at most this many cached pages (radix)

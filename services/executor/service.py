@@ -77,7 +77,8 @@ class ExecutorService(Actor):
                             mixed_chunk_tokens=cfg.mixed_chunk_tokens,
                             disable_radix_cache=cfg.disable_radix_cache, pool=self.instance,
                             burst_gap_s=cfg.burst_gap_s, burst_wait_s=cfg.burst_wait_s,
-                            jump_forward=cfg.jump_forward, overlap=cfg.overlap, radix_wait_s=cfg.radix_wait_s,
+                            jump_forward=cfg.jump_forward, jump_forward_policy=cfg.jump_forward_policy,
+                            overlap=cfg.overlap, radix_wait_s=cfg.radix_wait_s,
                             decode_reserve=cfg.decode_reserve,
                             state_slots=cfg.state_slots, checkpoint_interval=cfg.checkpoint_interval)
         loop = asyncio.get_running_loop()
@@ -252,6 +253,7 @@ class ExecutorService(Actor):
         st = self.engine.stats()
         names = ("prompt_tokens_total", "cached_tokens_total", "prefill_tokens_computed_total",
                  "generated_tokens_total", "requests_total", "jump_forward_drafted_total", "jump_forward_kept_total",
+                 "jump_forward_certain_total",
                  "preempted_total",
                  "running", "waiting")
         return [Sample(name=n if n.endswith("_total") else f"requests_{n}", value=st[n]) for n in names] \

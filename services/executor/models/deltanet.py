@@ -89,6 +89,6 @@ class GatedDeltaNet(nn.Module):
     def _rule_by_depth(self, q, k, v, g, beta, batch: ForwardBatch, rec: torch.Tensor, saved: list) -> torch.Tensor:
         counts = [e - s for s, e in batch.depth_bounds]
         o, kept = batch.kernels.gated_delta_rule_decode_depths_slots(q, k, v, g, beta, rec, batch.state_slots[: counts[0]],
-                                                                     counts)
+                                                                     counts, keep=batch.keep_states)
         saved.extend(kept)
         return o
