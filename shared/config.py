@@ -49,7 +49,8 @@ class ExecutorConfig:
     burst_gap_s: float = 0.002        # admission waits while requests keep arriving this close together
     burst_wait_s: float = 0.05        # ... but never longer than this (0 and 0: admit at once)
     jump_forward: int = 0             # structured output: draft tokens verified per step (0: off; README)
-    jump_forward_policy: str = "all"  # ... of every forced token, or only "certain" ones (the only token allowed)
+    jump_forward_policy: str = "auto"  # ... of every forced token ("all"), only "certain" ones (the only token
+                                       # allowed), or "auto": the others too while they pay (engine.py)
     overlap: bool = True              # radix exchanges travel while a step computes (engine.EngineConfig.overlap)
     disable_radix_cache: bool = False
 

@@ -4,6 +4,7 @@ both models (the hybrid one must undo the DeltaNet state of a rejected draft tai
 grammar engines, while drafts are really made and kept."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -66,14 +67,15 @@ _made: dict = {}
 
 def made(model: str):
     """Per model, made once for the module: its grammar engines, and four Engines: jump-forward
-    on, off, off without a cache, and on with only certain tokens drafted (each test leaves them
-    empty)."""
+    on (every forced token drafted), off, off without a cache, and on with only certain tokens
+    drafted (each test leaves them empty)."""
     if model not in _made:
         ready, failed = make_all(model)
         mk = lambda jf, cache=True, policy="all": Engine(EngineConfig(
             model=model, page_size=16, max_total_tokens=8192, max_running_requests=16, max_prefill_tokens=2048,
             jump_forward=jf, jump_forward_policy=policy, disable_radix_cache=not cache))
         _made[model] = ready, failed, mk(8), mk(0), mk(0, cache=False), mk(8, policy="certain")
+        _made[model][2].cfg = dataclasses.replace(_made[model][2].cfg, jump_forward_policy="all")
     return _made[model]
 
 
@@ -232,3 +234,29 @@ def test_certain_draft_tokens_are_those_the_grammar_alone_allows(models):
         s.matcher.rollback(want)
         assert s.certain == want, (s.rid, d.tok.decode(s.draft), s.certain, want)
     assert any(s.certain for s in seqs)
+
+
+def test_auto_drafts_uncertain_tokens_while_they_pay(models):
+    """jump_forward_policy=auto: tokens that are not certain are drafted while their measured keep
+    rate beats what a draft row costs (on the CPU, 1 - the LM head's share of a row), and then only
+    on one step in AUTO_PROBE, so that the estimate can recover."""
+    engine = made(models["tiny-dense"])[2]
+    saved = engine.cfg, list(engine.runner.unsure), engine.steps
+    try:
+        engine.cfg = dataclasses.replace(engine.cfg, jump_forward_policy="auto")
+        engine._row_cost = None
+        share = engine.runner.head_share()
+        assert 0.3 < share < 0.5                       # an 8k vocabulary at hidden 256
+        engine.steps = 1
+        engine.runner.unsure = [1000, 900]             # kept 90%: pays
+        assert engine._uncertain_pays()
+        engine.runner.unsure = [1000, 400]             # kept 40%: a draft row costs ~60% of a row
+        assert not engine._uncertain_pays()
+        engine.steps = engine.AUTO_PROBE               # ... but a probe step drafts them
+        assert engine._uncertain_pays()
+        for policy, want in (("all", True), ("certain", False)):
+            engine.cfg = dataclasses.replace(engine.cfg, jump_forward_policy=policy)
+            engine.steps = 1
+            assert engine._uncertain_pays() is want
+    finally:
+        engine.cfg, engine.runner.unsure, engine.steps = saved

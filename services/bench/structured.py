@@ -4,8 +4,8 @@
    service, and through the bus), for the same schema reformatted;
 2. decode: tokens/s at batch 16 with a JSON schema vs unconstrained, counted over the steps in
    which all 16 rows are running (so early finishers do not skew either side); the constrained
-   side with and without jump-forward decoding (executor/jump.py), drafting every forced token or
-   only the certain ones, on three engines of one process.
+   side with and without jump-forward decoding (executor/jump.py: policy auto, and beside it all
+   and certain), on engines of one process.
 """
 from __future__ import annotations
 
@@ -80,9 +80,9 @@ def _decode(model: str, blob: bytes, batch: int, new_tokens: int, rounds: int) -
     from radixflow.shared.messages import ExecRequest, SamplingParams
     grammar = make("xgrammar", model).load(zlib.decompress(blob))
     plain = Engine(EngineConfig(model=model, max_running_requests=batch, burst_gap_s=0, jump_forward=0))
-    jumping = Engine(EngineConfig(model=model, max_running_requests=batch, burst_gap_s=0, jump_forward=JUMP_FORWARD))
-    sure = Engine(EngineConfig(model=model, max_running_requests=batch, burst_gap_s=0, jump_forward=JUMP_FORWARD,
-                               jump_forward_policy="certain"))
+    mk = lambda policy: Engine(EngineConfig(model=model, max_running_requests=batch, burst_gap_s=0,
+                                            jump_forward=JUMP_FORWARD, jump_forward_policy=policy))
+    jumping, every, sure = mk("auto"), mk("all"), mk("certain")
 
     def run(engine: Engine, constrained: bool) -> tuple[float, float]:
         """tokens/s over the steps in which all rows run, and tokens per such step per row."""
@@ -105,18 +105,19 @@ def _decode(model: str, blob: bytes, batch: int, new_tokens: int, rounds: int) -
             return float("nan"), float("nan")
         return full_tokens / full_time, full_tokens / full_steps / batch
 
-    for e in (plain, jumping, sure):                      # warm up every path
+    for e in (plain, jumping, every, sure):               # warm up every path
         run(e, False)
         run(e, True)
     # interleaved rounds, so that a machine slowing down or speeding up meanwhile skews no side; the
     # ratios are the medians of each round's own (paired) ratios, steadier than a ratio of medians
     # where the machine's speed drifts by tens of percent from one round to the next
-    frees, constraineds, jf, certain = [], [], [], []
+    frees, constraineds, jf, certain, alls = [], [], [], [], []
     for _ in range(rounds):
         frees.append(run(plain, False)[0])
         constraineds.append(run(plain, True)[0])
         jf.append(run(jumping, True))
         certain.append(run(sure, True)[0])
+        alls.append(run(every, True)[0])
     free, constrained = statistics.median(frees), statistics.median(constraineds)
     jf_tok_s = statistics.median(r[0] for r in jf)
     st = jumping.stats()
@@ -132,8 +133,12 @@ def _decode(model: str, blob: bytes, batch: int, new_tokens: int, rounds: int) -
             "jump_forward_tokens_per_row_step": round(statistics.median(r[1] for r in jf), 3),
             "jump_forward_max_draft": JUMP_FORWARD, "jump_forward_drafted": st["jump_forward_drafted_total"],
             "jump_forward_kept": st["jump_forward_kept_total"], "jump_forward_certain": st["jump_forward_certain_total"],
-            # drafting only the tokens the grammar alone allows: never undone, never sampled
-            "json_schema_jump_forward_certain_tok_s": round(statistics.median(certain), 1),
+            "jump_forward_policy": "auto", "jump_forward_auto_unsure_keep_rate": round(
+                jumping.runner.unsure[1] / max(jumping.runner.unsure[0], 1), 3),
+            "jump_forward_auto_draft_row_cost": round(jumping._row_cost or 0.0, 3),
+            # the fixed policies beside it: every forced token; only those the grammar alone allows
+            # (never undone, never sampled)
+            "jump_forward_all_vs_constrained": paired(alls, constraineds),
             "jump_forward_certain_vs_constrained": paired(certain, constraineds),
             "jump_forward_certain_drafted": sure.stats()["jump_forward_drafted_total"]}
 

@@ -69,9 +69,10 @@ class EngineConfig:
     # structured output: draft the tokens of text the grammar forces and verify them in the next
     # decode step (jump.py); at most this many per step, 0: off
     jump_forward: int = 0
-    # which forced tokens: "all", or only "certain" ones (the only token the grammar allows there:
-    # kept without sampling, never undone)
-    jump_forward_policy: str = "all"
+    # which forced tokens: "all", only "certain" ones (the only token the grammar allows there:
+    # kept without sampling, never undone), or "auto": the others too while they pay (see
+    # _uncertain_pays)
+    jump_forward_policy: str = "auto"
     # Overlap (SGLang's overlap scheduler, for the page authority): while sequences are running, a
     # step's exchange with radix travels while the step computes, and its admissions join the next
     # step, so the round trip is off the compute thread's critical path. An idle engine still
@@ -107,9 +108,10 @@ class Engine(RadixExchange):
         self.cache = not cfg.disable_radix_cache
         if cfg.warmup_tokens > 0:
             self.runner.warmup(cfg.warmup_tokens)
-        if cfg.jump_forward_policy not in ("all", "certain"):
-            raise ValueError(f"jump_forward_policy must be 'all' or 'certain', not {cfg.jump_forward_policy!r}")
+        if cfg.jump_forward_policy not in ("all", "certain", "auto"):
+            raise ValueError(f"jump_forward_policy must be 'all', 'certain' or 'auto', not {cfg.jump_forward_policy!r}")
         self.drafter = Drafter(cfg.model, cfg.jump_forward) if cfg.jump_forward > 0 else None
+        self._row_cost: float | None = None      # auto: a draft row's cost over a full row's
         self.pages = pages or LocalPages()
         self._register = RadixRegister(pool=cfg.pool, num_pages=self.num_pages, page_size=cfg.page_size,
                                        cache=self.cache, num_state_slots=num_slots,
@@ -385,10 +387,29 @@ class Engine(RadixExchange):
             outs.append(self._output(seq, new))
         if drafting:
             self.runner.mark_certain(drafting)
-            if self.cfg.jump_forward_policy == "certain":
+            if not self._uncertain_pays():
                 for seq in drafting:
                     del seq.draft[seq.certain:]
         return outs
+
+    # auto: a draft token that is not certain is checked against a sample, and kept only if they
+    # agree (a trained model mostly spells forced text as its tokenizer does; the random-weight
+    # test checkpoints about half the time). Its row is sampled over the tokens its mask allows,
+    # skipping the LM head, so on the CPU it costs about (1 - the head's share) of a full row, and
+    # pays when kept more often than that (at the 8k test vocabulary the head is ~40% of a row;
+    # at Qwen3.5's 248k, ~95%). On an accelerator a decode step's rows are nearly free. The keep
+    # rate is measured as the engine runs; while it does not pay, one step in AUTO_PROBE still
+    # drafts them, so that the estimate follows the workload.
+    AUTO_PROBE = 16
+
+    def _uncertain_pays(self) -> bool:
+        policy = self.cfg.jump_forward_policy
+        if policy != "auto":
+            return policy == "all"
+        if self._row_cost is None:
+            self._row_cost = 1.0 - self.runner.head_share() if self.runner.device.type == "cpu" else 0.0
+        drafted, kept = self.runner.unsure
+        return (kept + 1) / (drafted + 2) > self._row_cost or self.steps % self.AUTO_PROBE == 0
 
     def _output(self, seq: Sequence, new: list[int]) -> tuple[str, SeqOutput]:
         # `new` is always output_ids[reported:reported + len(new)]: the logprobs of the same tokens

@@ -112,6 +112,7 @@ class ModelRunner:
         self.drafted = 0     # jump-forward draft tokens computed ...
         self.kept = 0        # ... and kept
         self.certain = 0     # ... of them, the only token allowed there (kept without sampling)
+        self.unsure = [0, 0]  # draft tokens that were not certain: [drafted, kept]
 
     def warmup(self, tokens: int = 2048) -> None:
         """One prefill and a few decode steps on scratch pages before serving, so the first request
@@ -287,6 +288,12 @@ class ModelRunner:
             fb.slot_table = torch.nn.utils.rnn.pad_sequence(seq_slots, batch_first=True)
         return fb
 
+    def head_share(self) -> float:
+        """The LM head's share of a row's multiply-adds (every weight but the embedding's)."""
+        m = self.model
+        total = sum(p.numel() for p in m.parameters()) - m.embed.weight.numel()
+        return m.lm_head.weight.numel() / max(total, 1)
+
     def _boundary_inside(self, s) -> bool:
         """A page boundary after one of s's draft rows but its last: the engine's tail checkpoint
         is the state as it was there (engine._postprocess), so the step must keep it."""
@@ -372,6 +379,8 @@ class ModelRunner:
                 self.drafted += len(s.draft)
                 self.kept += len(kept) - 1
                 self.certain += s.certain
+                self.unsure[0] += len(s.draft) - s.certain
+                self.unsure[1] += max(len(kept) - 1 - s.certain, 0)
                 if len(kept) <= len(s.draft) and self.state is not None:
                     self.state_after(s.rid, len(kept) - 1, s.state_slot)
             new[i] = kept
