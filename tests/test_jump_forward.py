@@ -154,11 +154,11 @@ def test_draft_rows_are_sampled_over_their_allowed_tokens_only(models):
     the same distribution for sampled ones. Rows allowing more than MAX_ALLOWED tokens are left
     to the full head."""
     import torch
-    from radixflow.services.executor import runner as runner_mod
+    from radixflow.services.executor import verify as verify_mod
     from radixflow.services.executor.sequence import Sequence
     runner = made(models["tiny-dense"])[3].runner
     V, H = runner.spec.vocab_size, runner.spec.hidden_size
-    allowed = [[5, 17, 900], [3], list(range(0, V, 3))[: runner_mod.MAX_ALLOWED + 1], [100, 101, 4095], [7, V - 1]]
+    allowed = [[5, 17, 900], [3], list(range(0, V, 3))[: verify_mod.MAX_ALLOWED + 1], [100, 101, 4095], [7, V - 1]]
     bits = torch.zeros(len(allowed), V, dtype=torch.bool)
     for r, ids in enumerate(allowed):
         bits[r, ids] = True

@@ -2,7 +2,7 @@
 an enum's tail), their tokens go into the next step as a draft instead of costing a decode step
 each. The step computes the pending token and the draft together, one row per position, and
 samples every row under its own grammar mask; the draft is kept up to its first token that
-differs from what was sampled at that position (runner._verify):
+differs from what was sampled at that position (verify.py: _verify):
 
     pending t0, draft d1 d2 d3  --one step-->  x0 x1 x2 x3 sampled (x_i masked as after d1..d_i)
     output: x0, and x1 if x0 == d1, and x2 if also x1 == d2, ...   (at least one token, at most 4)

@@ -77,7 +77,7 @@ class GatedDeltaNet(nn.Module):
     # longest draft first, so the sequences still running at depth d are the first n_d of them (the
     # kernels' `counts`): the states are gathered from the pool once and written back once. The
     # state after each depth but the last is kept in `saved` so that a rejected draft tail can be
-    # undone (runner.state_after).
+    # undone (verify.py: state_after).
 
     def _conv_by_depth(self, mixed: torch.Tensor, batch: ForwardBatch, conv: torch.Tensor, saved: list) -> torch.Tensor:
         counts = [e - s for s, e in batch.depth_bounds]

@@ -47,7 +47,7 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv: "KVPool", state: "StatePool | None", head: bool = True) -> torch.Tensor:
         """Run one step; returns logits [M, V] for batch.logits_rows (fp32), or with head=False their
         final hidden states [M, hidden] (the caller then picks which rows, or which tokens, get logits:
-        runner._verify)."""
+        verify.py: _verify)."""
         x = self.embed(batch.input_ids)                                     # [T, hidden]
         for layer, j in zip(self.layers, self._mem_index):
             if layer.kind == "full_attention":
