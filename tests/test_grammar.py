@@ -16,19 +16,9 @@ from radixflow.services.grammar.tokenizer_info import make_tokenizer_info, token
 from radixflow.services.grammar.backends.xgrammar import choice_ebnf, compile_text
 from radixflow.services.tokenizer.tokenizer import Tokenizer
 from radixflow.shared.errors import BadRequest
-from .structured.corpus import ACCEPTED, NOW_SERVED, REJECTED, SERVED_NOW, STILL_REJECTED
+from .structured.corpus import ACCEPTED, NOW_SERVED, PERSON, REJECTED, SERVED_NOW, STILL_REJECTED, dumps
 from .structured.walk import Walker
 
-DEADLINE_S = 1.5
-# ~25 s for xgrammar on this machine (quadratic in the repetition bound); killed at the deadline
-HOSTILE = {"type": "string", "pattern": "^[a-z0-9]{1,20000}$"}
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
-          "required": ["name", "age"]}
-
-
-def dumps(o, **kw) -> str:
-    return json.dumps(o, **kw)
 
 
 # ---------------------------------------------------------------- keys

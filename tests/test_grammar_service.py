@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
-import json
 import re
 import statistics
 import time
@@ -22,18 +21,11 @@ from radixflow.shared.config import BusConfig
 from radixflow.shared.errors import BadRequest, NotFound
 from radixflow.shared.messages import (GrammarBlob, GrammarCompile, GrammarCompiled, GrammarFetch, MetricsReply,
                                        StatusRequest)
-from .structured.corpus import ACCEPTED, NOW_SERVED, REJECTED, SERVED_NOW, STILL_REJECTED
+from .structured.corpus import ACCEPTED, NOW_SERVED, PERSON, REJECTED, SERVED_NOW, STILL_REJECTED, dumps
 
 DEADLINE_S = 1.5
 # ~25 s for xgrammar on this machine (quadratic in the repetition bound); killed at the deadline
 HOSTILE = {"type": "string", "pattern": "^[a-z0-9]{1,20000}$"}
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
-          "required": ["name", "age"]}
-
-
-def dumps(o, **kw) -> str:
-    return json.dumps(o, **kw)
 
 
 

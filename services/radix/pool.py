@@ -41,13 +41,13 @@ sharing, the baseline every cache claim is measured against.
 from __future__ import annotations
 
 import heapq
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from radixflow.shared.messages import (Candidate, Deferred, Demote, Grant, Grow, HeldPages, Progress, RadixStep, RadixStepReply,
+from radixflow.shared.messages import (Candidate, Deferred, Grant, Grow, HeldPages, Progress, RadixStep, RadixStepReply,
                                        Release)
 
+from .pins import Pins
 from .tree import Evicted, Node, RadixTree, owner_of
 
 
@@ -70,7 +70,7 @@ class Held:
     quota: int = 0                   # > 0: its owner may keep at most this many cached pages
 
 
-class PagePool:
+class PagePool(Pins):
     def __init__(self, num_pages: int, page_size: int, cache: bool = True, num_state_slots: int = 0,
                  checkpoint_interval: int = 0):
         self.num_pages = num_pages
@@ -417,42 +417,6 @@ class PagePool:
         over = self.tree.owner_pages.get(owner, 0) - h.quota
         if h.quota > 0 and over > 0:
             self._freed(self.tree.evict(over, [owner]), quota=True)
-
-    # ------------------------------------------------------------ programs: pins and demotion
-
-    def _pin(self, key: str, node: Node, ttl_s: float) -> None:
-        if key in self._unpinned or key in self.pins or node.is_root:
-            return
-        self.tree.lock(node)
-        self.pins[key] = (node, time.monotonic() + (ttl_s if ttl_s > 0 else 900.0))
-
-    def unpin(self, keys: list[str]) -> None:
-        for k in keys:
-            pin = self.pins.pop(k, None)
-            if pin is None:
-                self._unpinned.append(k)     # its release may still be on its way: do not pin it then
-            else:
-                self.tree.unlock(pin[0])
-
-    def expire_pins(self, now: float) -> list[str]:
-        """Unpin what outlived its deadline (a program whose scheduler vanished)."""
-        gone = [k for k, (_, deadline) in self.pins.items() if now > deadline]
-        self.unpin(gone)
-        return gone
-
-    def demote(self, d: Demote) -> int:
-        if not self.cache:
-            return 0
-        m = self.tree.match(d.namespace, d.token_ids, split=False)
-        return self.tree.demote(m.node, d.keep)
-
-    def pinned_pages(self) -> int:
-        seen: set[int] = set()
-        for node, _ in self.pins.values():
-            while node is not None and not node.is_root and id(node) not in seen:
-                seen.add(id(node))
-                node = node.parent
-        return sum(len(n.pages) for n in self.tree.nodes() if id(n) in seen)
 
     def flush(self, scopes: list[str] | None = None, namespaces: list[str] | None = None) -> int:
         """Free every unlocked cached page, or only those of the namespaces these scopes own

@@ -14,6 +14,7 @@ runs) within 175 tokens (median 17, p90 49) with valid output.
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 S = dict[str, Any]
@@ -26,6 +27,13 @@ def obj(props: S, required: list[str] | None = None, **kw: Any) -> S:
 NAME = {"type": "string", "minLength": 1, "maxLength": 40}
 SHORT = {"type": "string", "maxLength": 20}
 SCORE = {"type": "number", "minimum": 0, "maximum": 1}
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"]}
+
+
+def dumps(o: Any, **kw: Any) -> str:
+    return json.dumps(o, **kw)
 
 ACCEPTED: list[tuple[str, S]] = [
     # ---------------------------------------------------------------- basic objects
