@@ -236,6 +236,71 @@ def test_certain_draft_tokens_are_those_the_grammar_alone_allows(models):
     assert any(s.certain for s in seqs)
 
 
+def test_mark_certain_masks_are_reused_only_for_unchanged_matchers(models):
+    """mark_certain keeps the masks it filled at depth 0 (the state the next step starts from):
+    the next fill(reuse=True) copies them, bit for bit what the grammar gives; a matcher that was
+    not kept, or any fill in between, makes the grammar fill again."""
+    import torch
+    from radixflow.services.executor.sequence import Sequence
+    model = models["tiny-dense"]
+    ready, _, _, without, *_ = made(model)
+    runner, con = without.runner, without.runner.constrainer
+    d = Drafter(model, max_draft=8)
+    g = Compiled(ready["xgrammar"], SCHEMAS[1])
+    seqs = []
+    for i, prefix in enumerate(['[{"', '[{"identifier": "constant-value-here", "fl', '[{"identifier": "constant-value-here", "flag": ']):
+        seq = Sequence(rid=f"s{i}", tokens=[5], sampling=SamplingParams(max_new_tokens=50), eos_ids=frozenset())
+        seq.matcher = g.load_grammar().matcher()
+        for t in d.encode(prefix):
+            assert seq.matcher.accept_token(t)
+            seq.tokens.append(t)
+        seq.draft = d.draft(seq)
+        seqs.append(seq)
+    drafting = [s for s in seqs if s.draft]
+    assert drafting and len(drafting) < len(seqs)
+    runner.mark_certain(drafting)
+    assert con.kept is not None and len(con.kept[1]) == len(drafting)
+    calls = []
+    backend = seqs[0].matcher.backend
+    fill = backend.fill
+    backend.fill = lambda ms, bm, rs: (calls.append(list(ms)), fill(ms, bm, rs))
+    try:
+        order = list(reversed(seqs))              # other rows than mark_certain's
+        con.fill([0, 1, 2], [s.matcher for s in order], 3, reuse=True)
+        assert calls == [[s.matcher for s in order if not s.draft]]       # only the one not kept
+        reused = con.bitmask[:3].clone()
+        assert con.kept is None
+        con.fill([0, 1, 2], [s.matcher for s in order], 3, reuse=True)   # nothing kept now: all filled
+        assert calls[-1] == [s.matcher for s in order]
+        assert torch.equal(con.bitmask[:3], reused)
+    finally:
+        backend.fill = fill
+
+
+def test_drafter_remembers_spellings(models):
+    """A forced text's spelling after a token is computed once; the cached draft is the same."""
+    from radixflow.services.executor.sequence import Sequence
+    model = models["tiny-dense"]
+    ready, *_ = made(model)
+    g = Compiled(ready["xgrammar"], SCHEMAS[1])
+    d = Drafter(model, max_draft=8)
+    drafts = []
+    for _ in range(2):
+        seq = Sequence(rid="x", tokens=[5], sampling=SamplingParams(max_new_tokens=50), eos_ids=frozenset())
+        seq.matcher = g.load_grammar().matcher()
+        for t in d.encode('[{"'):
+            assert seq.matcher.accept_token(t)
+            seq.tokens.append(t)
+        drafts.append(d.draft(seq))
+        seq.draft = drafts[-1]
+        del seq.draft[1:]                           # the engine trims drafts in place: not the cache's list
+    assert len(d.spelled) == 1
+    fresh = Drafter(model, max_draft=8)
+    text = seq.matcher.forced_text()
+    assert drafts[1][:1] == fresh.spell(seq.tokens[-1], text)[:1] and len(drafts[1]) == 1
+    assert list(d.spelled.values())[0] == fresh.spell(seq.tokens[-1], text) and len(fresh.spelled[(seq.tokens[-1], text)]) > 1
+
+
 def test_auto_drafts_uncertain_tokens_while_they_pay(models):
     """jump_forward_policy=auto: tokens that are not certain are drafted while their measured keep
     rate beats what a draft row costs (on the CPU, 1 - the LM head's share of a row), and then only

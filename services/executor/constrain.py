@@ -20,26 +20,47 @@ class Constrainer:
     def __init__(self, vocab_size: int, max_rows: int):
         self.vocab_size = vocab_size
         self.bitmask = xgr.allocate_token_bitmask(max_rows, vocab_size)     # int32 [M, ceil(V / 32)]
+        # rows filled by jump-forward's mark_certain, for matchers whose state the next step's first
+        # fill finds unchanged (the engine accepts tokens only after that fill): that fill copies
+        # them instead of asking the grammar again (keep, fill(reuse=True))
+        self.kept: tuple[torch.Tensor, dict[int, tuple[Matcher, int]]] | None = None
 
     def mask(self, logits: torch.Tensor, matchers: list[Matcher | None]) -> None:
         """Mask, in place, the rows of `logits` whose matcher is given."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return
-        self.fill(rows, [matchers[i] for i in rows], logits.shape[0])
+        self.fill(rows, [matchers[i] for i in rows], logits.shape[0], reuse=True)
         self.apply(logits, rows)
 
-    def fill(self, rows: list[int], matchers: list[Matcher], num_rows: int) -> None:
-        """Write the allowed tokens of matchers[j] (in its current state) into bitmask row rows[j]."""
+    def keep(self, matchers: list[Matcher]) -> None:
+        """Remember bitmask rows 0..len(matchers)-1, just filled for `matchers` in their current
+        state, for the next fill(reuse=True); any other fill forgets them."""
+        n = len(matchers)
+        self.kept = (self.bitmask[:n].clone(), {id(m): (m, j) for j, m in enumerate(matchers)})
+
+    def fill(self, rows: list[int], matchers: list[Matcher], num_rows: int, reuse: bool = False) -> None:
+        """Write the allowed tokens of matchers[j] (in its current state) into bitmask row rows[j].
+        reuse: the matchers' states are those of the last keep() (for the ones it named)."""
         if num_rows > self.bitmask.shape[0]:
             grown = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
             grown[: self.bitmask.shape[0]] = self.bitmask
             self.bitmask = grown
+        kept, self.kept = self.kept, None
         by_engine: dict[Backend, tuple[list[Matcher], list[int]]] = {}
+        to, frm = [], []
         for r, m in zip(rows, matchers):
+            if reuse and kept is not None:
+                mj = kept[1].get(id(m))
+                if mj is not None and mj[0] is m:
+                    to.append(r)
+                    frm.append(mj[1])
+                    continue
             ms, rs = by_engine.setdefault(m.backend, ([], []))
             ms.append(m)
             rs.append(r)
+        if to:
+            self.bitmask[torch.tensor(to, dtype=torch.int64)] = kept[0][torch.tensor(frm, dtype=torch.int64)]
         for engine, (ms, rs) in by_engine.items():
             engine.fill(ms, self.bitmask, rs)
 

@@ -28,10 +28,15 @@ from .sequence import Sequence
 
 
 class Drafter:
+    # forced texts repeat (a schema's keys, `": "`, `}, {"`): their spelling after a given token is
+    # remembered instead of decoding and re-encoding it every step; the dict starts over when full
+    CACHE_SIZE = 4096
+
     def __init__(self, model_dir: str | Path, max_draft: int = 8):
         self.tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
         self.max_draft = max_draft
         self.special = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+        self.spelled: dict[tuple[int, str], list[int]] = {}
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -44,7 +49,15 @@ class Drafter:
         text = seq.matcher.forced_text()
         if not text:
             return []
-        last = seq.tokens[-1]
+        ids = self.spell(seq.tokens[-1], text)[:room]
+        return ids[:seq.matcher.legal_prefix(ids)]
+
+    def spell(self, last: int, text: str) -> list[int]:
+        """`text` as the tokenizer writes it after token `last`, up to any special token in it."""
+        key = (last, text)
+        ids = self.spelled.get(key)
+        if ids is not None:
+            return ids
         ids = []
         if last not in self.special:
             prev = self.tok.decode([last], skip_special_tokens=False)
@@ -54,9 +67,11 @@ class Drafter:
                     ids = both[1:]
         if not ids:
             ids = self.encode(text)
-        ids = ids[:room]
         for n, t in enumerate(ids):      # forced text spelling a special token ends the draft there
             if t in self.special:
                 ids = ids[:n]
                 break
-        return ids[:seq.matcher.legal_prefix(ids)]
+        if len(self.spelled) >= self.CACHE_SIZE:
+            self.spelled.clear()
+        self.spelled[key] = ids
+        return ids

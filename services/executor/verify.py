@@ -147,6 +147,8 @@ class DraftVerify(_Base):
         d = 0
         while live:
             self.constrainer.fill(list(range(len(live))), [s.matcher for s in live], len(live))
+            if d == 0:     # the masks the next step needs first (for rows that are not certain)
+                self.constrainer.keep([s.matcher for s in live])
             single = single_allowed(self.constrainer.bitmask, len(live)).tolist()
             live = [s for s, one in zip(live, single) if one]
             for s in live:
@@ -167,8 +169,9 @@ class DraftVerify(_Base):
         live, d = con, 0
         while live:
             unsure = [(s, rs) for s, rs in live if d >= s.certain]      # a certain row is not sampled
-            if unsure:
-                self.constrainer.fill([rs[d] for _, rs in unsure], [s.matcher for s, _ in unsure], num_rows)
+            if unsure:      # depth 0: the matchers are as mark_certain left them (reuse)
+                self.constrainer.fill([rs[d] for _, rs in unsure], [s.matcher for s, _ in unsure], num_rows,
+                                      reuse=d == 0)
             live = [(s, rs) for s, rs in live if d < len(s.draft)]
             for s, _ in live:
                 s.matcher.accept_token(s.draft[d])      # legal: the drafter checked it
