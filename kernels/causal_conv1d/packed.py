@@ -29,7 +29,8 @@ def causal_conv1d_prefill_slots(x: torch.Tensor, out: torch.Tensor, pool: torch.
     Wm1 = pool.shape[-1]
     for grp in groups:
         rows, real = padded_rows([bounds[i] for i in grp], x.shape[0], x.device)
-        xp = torch.cat([x, x.new_zeros(1, x.shape[1])])[rows].transpose(1, 2)            # [B, C, L]
+        # a padding row is any row: the conv is causal, and the states are taken at each sequence's end
+        xp = x[rows.clamp(max=x.shape[0] - 1)].transpose(1, 2)                              # [B, C, L]
         sl = torch.tensor([slots[i] for i in grp], device=pool.device)
         y, final, xx = causal_conv1d_padded(xp, weight, pool[sl], torch.tensor([lens[i] for i in grp], device=x.device),
                                             activation)
