@@ -173,11 +173,12 @@ class Bus:
         return out
 
     async def gather(self, subject: str, msg: Msg, reply: Any, *, window_s: float = 0.25,
-                     expect: int = 0) -> list[Any]:
+                     expect: int = 0, min_s: float = 0.0) -> list[Any]:
         """Scatter `msg` to every subscriber of `subject`; collect the answers that arrive within
         `window_s`, or until `expect` of them have (a busy instance can answer late, and a caller
-        that knows how many there are should not miss one for a fixed short window). Errors and
-        undecodable answers are skipped."""
+        that knows how many there are should not miss one for a fixed short window), but for at
+        least `min_s` (a caller that knows only some of the instances still hears from the prompt
+        others). Errors and undecodable answers are skipped."""
         inbox = self.nc.new_inbox()
         got: list[bytes] = []
         enough = asyncio.Event()
@@ -188,9 +189,12 @@ class Bus:
                 enough.set()
         sub = await self.nc.subscribe(inbox, cb=on_reply)
         try:
+            t0 = time.monotonic()
             await self.nc.publish(subject, self._encode(msg, subject), reply=inbox)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(enough.wait(), window_s)
+            if (left := min(min_s, window_s) - (time.monotonic() - t0)) > 0:
+                await asyncio.sleep(left)
         finally:
             await sub.unsubscribe()
         out = []

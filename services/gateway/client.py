@@ -119,6 +119,11 @@ class EngineClient:
         now = time.monotonic()
         return [i for i, (t, _) in self._executors.items() if now - t <= self.scheduler_timeout_s]
 
+    def schedulers(self) -> list[str]:
+        """The scheduler instances beating within the timeout."""
+        now = time.monotonic()
+        return [i for i, t in self._schedulers.items() if now - t <= self.scheduler_timeout_s]
+
     def models(self) -> list[ExecutorInfo]:
         now = time.monotonic()
         seen: dict[str, ExecutorInfo] = {}

@@ -64,7 +64,14 @@ async def flush_cache(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus text: every instance's samples, gathered over the bus, written by prometheus-client
     (metrics.py)."""
-    replies = await request.app[BUS].gather(subjects.METRICS, StatusRequest(), MetricsReply, window_s=0.2)
+    # every instance answers within 0.2 s while idle; a busy one can answer later, and a series
+    # missing from one scrape reads as a counter reset. So the scrape also waits (up to 2 s) for
+    # the instances it knows of: the live executors and schedulers (their heartbeats), itself, and
+    # one each of tokenizer, grammar and radix
+    client = request.app[CLIENT]
+    known = len(client.executors()) + len(client.schedulers()) + 4
+    replies = await request.app[BUS].gather(subjects.METRICS, StatusRequest(), MetricsReply, window_s=2.0,
+                                            expect=known, min_s=0.2)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Gathered(replies))
     return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST,
