@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..packing import gather_rows
+
 __all__ = ["SharedPrefix", "attend_lse", "merge", "cascade_prefill", "cascade_decode"]
 
 PADDED_LIMIT = 1 << 21   # query x key pairs up to which short own parts share one padded batch
@@ -35,7 +37,7 @@ class SharedPrefix:
         allocated in one go usually is)."""
         if self.start >= 0:
             return k_cache[self.start:self.start + len(self.slots)], v_cache[self.start:self.start + len(self.slots)]
-        return k_cache[self.slots], v_cache[self.slots]
+        return gather_rows(k_cache, self.slots), gather_rows(v_cache, self.slots)
 
 
 def _attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -116,7 +118,8 @@ def cascade_prefill(q, k_cache, v_cache, bounds: list[tuple[int, int]], seq_slot
             flat = torch.cat([torch.arange(len(x), device=dev) + j * E for j, x in enumerate(own_q)])
             o, lse = o.flatten(0, 1)[flat], lse.flatten(0, 1)[flat]
         else:
-            parts = [attend_lse(x, k_cache[k], v_cache[k], scale, torch.arange(off, off + len(x), device=dev))
+            parts = [attend_lse(x, gather_rows(k_cache, k), gather_rows(v_cache, k), scale,
+                                torch.arange(off, off + len(x), device=dev))
                      for x, k, off in zip(own_q, own_k, q_off)]
             o, lse = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         out[rows] = merge(o, lse, torch.cat(sh_o), torch.cat(sh_lse))
@@ -125,7 +128,7 @@ def cascade_prefill(q, k_cache, v_cache, bounds: list[tuple[int, int]], seq_slot
         if i in alone:
             continue
         q_pos = torch.arange(prefix_lens[i], prefix_lens[i] + e - s, device=dev)
-        out[s:e] = attend_lse(q[s:e], k_cache[seq_slots[i]], v_cache[seq_slots[i]], scale, q_pos)[0]
+        out[s:e] = attend_lse(q[s:e], gather_rows(k_cache, seq_slots[i]), gather_rows(v_cache, seq_slots[i]), scale, q_pos)[0]
     return out.to(q.dtype)
 
 
@@ -138,7 +141,7 @@ def _attend_padded(qs: list[torch.Tensor], slots: list[torch.Tensor], q_off: lis
     G = Hq // Hkv
     q = torch.nn.utils.rnn.pad_sequence(qs, batch_first=True).float()                  # [N, E, Hq, D]
     idx = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True)                      # [N, L] (pad: slot 0)
-    k, v = k_cache[idx].float(), v_cache[idx].float()                                  # [N, L, Hkv, D]
+    k, v = gather_rows(k_cache, idx).float(), gather_rows(v_cache, idx).float()              # [N, L, Hkv, D]
     E, L = q.shape[1], idx.shape[1]
     lens = torch.tensor([len(x) for x in slots], device=q.device)
     pos = torch.tensor(q_off, device=q.device)[:, None] + torch.arange(E, device=q.device)[None, :]   # [N, E]
@@ -160,8 +163,8 @@ def cascade_decode(q, k_cache, v_cache, own_table: torch.Tensor, own_lens: torch
     G = Hq // Hkv
     Lmax = own_table.shape[1]
     idx = own_table.clamp(min=0)
-    k = k_cache[idx].float()                                                  # [N, L, Hkv, D]
-    v = v_cache[idx].float()
+    k = gather_rows(k_cache, idx).float()                                     # [N, L, Hkv, D]
+    v = gather_rows(v_cache, idx).float()
     qf = q.float().reshape(N, Hkv, G, D)
     s = torch.einsum("nhgd,nlhd->nhgl", qf, k) * scale                       # [N, Hkv, G, L]
     valid = torch.arange(Lmax, device=q.device)[None, :] < own_lens[:, None]  # [N, L]

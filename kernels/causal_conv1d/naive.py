@@ -131,7 +131,7 @@ def causal_conv1d_update_slots(
 ) -> torch.Tensor:
     """causal_conv1d_update on states that live in a pool: sequence n's state is pool[slots[n]]
     ([P, C, W-1], shifted IN PLACE there; slots distinct). Returns y [N, C] in x's dtype."""
-    st = pool[slots]
+    st = pool.index_select(0, slots)
     y = causal_conv1d_update(x, st, weight, activation)
     pool[slots] = st
     return y
@@ -197,7 +197,7 @@ def causal_conv1d_update_depths_slots(
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """causal_conv1d_update_depths on states in a pool: sequence i's state is pool[slots[i]]
     (slots: [counts[0]], distinct), shifted there. Returns y and saved as that function does."""
-    st = pool[slots]
+    st = pool.index_select(0, slots)
     out, saved = causal_conv1d_update_depths(x, st, weight, counts, activation)
     pool[slots] = st
     return out, saved

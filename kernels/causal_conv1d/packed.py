@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..packing import padded_rows, similar
+from ..packing import gather_rows, padded_rows, similar
 from .naive import causal_conv1d_padded
 
 __all__ = ["causal_conv1d_prefill_slots"]
@@ -30,7 +30,7 @@ def causal_conv1d_prefill_slots(x: torch.Tensor, out: torch.Tensor, pool: torch.
     for grp in groups:
         rows, real = padded_rows([bounds[i] for i in grp], x.shape[0], x.device)
         # a padding row is any row: the conv is causal, and the states are taken at each sequence's end
-        xp = x[rows.clamp(max=x.shape[0] - 1)].transpose(1, 2)                              # [B, C, L]
+        xp = gather_rows(x, rows.clamp(max=x.shape[0] - 1)).transpose(1, 2)                 # [B, C, L]
         sl = torch.tensor([slots[i] for i in grp], device=pool.device)
         y, final, xx = causal_conv1d_padded(xp, weight, pool[sl], torch.tensor([lens[i] for i in grp], device=x.device),
                                             activation)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..packing import padded_rows, similar
+from ..packing import gather_rows, padded_rows, similar
 from .naive import chunk_gated_delta_rule
 
 __all__ = ["gated_delta_rule_prefill_slots"]
@@ -56,7 +56,7 @@ def _padded(q, k, v, g, beta, o, pool, bounds: list[tuple[int, int]], slots: lis
     tokens of k = v = beta = g = 0, which neither write nor decay the state: their final states are
     exactly those of their own tokens (agents' siblings have similar lengths)."""
     idx, real = padded_rows(bounds, q.shape[0], q.device)
-    pad = lambda x: torch.cat([x, x.new_zeros(1, *x.shape[1:])])[idx]
+    pad = lambda x: gather_rows(torch.cat([x, x.new_zeros(1, *x.shape[1:])]), idx)
     sl = torch.tensor(slots, device=pool.device)
     ob, final = chunk_gated_delta_rule(pad(q), pad(k), pad(v), pad(g), pad(beta), initial_state=pool[sl])
     o[idx[real]] = ob[real]
