@@ -309,3 +309,15 @@ def test_bench_sampler_runs_both_sides():
     out = run_sampler(batch=4, vocab=512, repeats=1)
     assert set(out["cases"]) == set(CASES) and set(out["extras"]) == set(EXTRAS)
     assert all(c["batched_ms"] > 0 and c["per_row_ms"] > 0 for c in out["cases"].values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_is_torch_argmax_with_ties_inf_and_nan(dtype):
+    """sampler.argmax (max(dim), faster on a CPU) picks what torch.argmax picks: the first of equal
+    maxima, a row of -inf's first index, a NaN over any number."""
+    g = torch.Generator().manual_seed(0)
+    for V in (3, 100, 8192):
+        x = torch.randint(0, 3, (32, V), generator=g).to(dtype)
+        x[5] = float("-inf")
+        x[6, V // 2] = float("nan")
+        assert torch.equal(sampler.argmax(x), x.argmax(dim=-1))
