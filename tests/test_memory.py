@@ -78,3 +78,24 @@ def test_pools_sized_from_free_memory(models):
     assert 0.5 * frac * free < used <= frac * free * 1.01
     with pytest.raises(ValueError, match="mem_fraction"):
         Engine(EngineConfig(model=models["tiny-hybrid"], mem_fraction=1e-6))
+
+
+def test_state_copies_batched_as_one_after_the_other(models):
+    """StatePool.copy_many / reset_many (a step's checkpoints and restores, one gather and scatter
+    per layer tensor) leave the pool as copy / reset one by one would, also where order matters
+    (a destination that is another pair's source, or written twice: then it copies one by one)."""
+    import torch
+    from radixflow.services.executor.memory import MemoryPlan, StatePool
+    spec = ModelSpec.from_dir(models["tiny-hybrid"])
+    plan = MemoryPlan(page_size=16, num_pages=4, num_state_slots=12, kv_dtype=torch.float32, state_dtype=torch.float32)
+    for pairs in ([(0, 5), (1, 6), (2, 7)], [(0, 5), (5, 6)], [(0, 5), (1, 5)], [(3, 4)], []):
+        a, b = StatePool(spec, plan, torch.device("cpu")), StatePool(spec, plan, torch.device("cpu"))
+        for t, u in zip(a.recurrent + a.conv, b.recurrent + b.conv):
+            u.copy_(t.copy_(torch.randn_like(t)))
+        a.copy_many(pairs)
+        a.reset_many([9, 10])
+        for s, d in pairs:
+            b.copy(s, d)
+        b.reset(9)
+        b.reset(10)
+        assert all(torch.equal(t, u) for t, u in zip(a.recurrent + a.conv, b.recurrent + b.conv)), pairs

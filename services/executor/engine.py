@@ -325,7 +325,7 @@ class Engine(RadixExchange):
         outs = []
         state = self.runner.state
         ps = self.page_size
-        drafting = []
+        drafting, copies = [], []
         for i, (seq, ext) in enumerate(zip(plan.seqs, plan.extend_lens)):
             new = toks.get(i, [])
             before = seq.computed_len
@@ -337,11 +337,11 @@ class Engine(RadixExchange):
                 # the working state now summarizes exactly computed_len tokens: copy it out where planned
                 slot = seq.checkpoints.get(seq.computed_len)
                 if slot is not None:
-                    state.copy(seq.state_slot, slot)
+                    copies.append((seq.state_slot, slot))
                 elif decoding and seq.tail_slot >= 0 and seq.computed_len // ps > before // ps:
                     boundary = seq.computed_len // ps * ps
                     if boundary == seq.computed_len:
-                        state.copy(seq.state_slot, seq.tail_slot)
+                        copies.append((seq.state_slot, seq.tail_slot))
                     else:   # crossed inside a step with a draft: the state as it was at the boundary
                         self.runner.state_after(seq.rid, boundary - before - 1, seq.tail_slot)
                     seq.tail_pos = boundary
@@ -385,6 +385,8 @@ class Engine(RadixExchange):
                 if seq.draft:
                     drafting.append(seq)
             outs.append(self._output(seq, new))
+        if copies:
+            state.copy_many(copies)
         if drafting:
             self.runner.mark_certain(drafting)
             if not self._uncertain_pays():

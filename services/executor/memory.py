@@ -53,6 +53,7 @@ class StatePool:
         self.recurrent = [torch.zeros(rec, dtype=plan.state_dtype, device=device) for _ in range(n)]
         self.conv = [torch.zeros(conv, dtype=plan.state_dtype, device=device) for _ in range(n)]
         self.num_slots = plan.num_state_slots
+        self.device = device
 
     def reset(self, slot: int) -> None:
         """A fresh sequence starts from the zero state."""
@@ -62,6 +63,28 @@ class StatePool:
     def copy(self, src: int, dst: int) -> None:
         for t in self.recurrent + self.conv:
             t[dst].copy_(t[src])
+
+    # A step's copies (checkpoints of every sequence that finished its prompt, restores of every
+    # admitted one) batched: one gather and one scatter per layer tensor instead of a small copy
+    # per sequence and tensor (39 checkpoints x 6 tensors were 4 ms of a mixed step)
+
+    def reset_many(self, slots: list[int]) -> None:
+        if slots:
+            idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
+            for t in self.recurrent + self.conv:
+                t.index_fill_(0, idx, 0)
+
+    def copy_many(self, pairs: list[tuple[int, int]]) -> None:
+        """copy(src, dst) for every pair, as if one after the other."""
+        srcs, dsts = {s for s, _ in pairs}, [d for _, d in pairs]
+        if len(pairs) < 2 or len(set(dsts)) < len(dsts) or srcs & set(dsts):   # order would matter
+            for s, d in pairs:
+                self.copy(s, d)
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor(dsts, dtype=torch.int64, device=self.device)
+        for t in self.recurrent + self.conv:
+            t.index_copy_(0, dst, t.index_select(0, src))
 
 
 # ---------------------------------------------------------------- accounting

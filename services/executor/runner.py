@@ -294,13 +294,16 @@ class ModelRunner(DraftVerify):
         and then one more for each draft token kept (see jump.py). Logprobs asked for are appended
         to the sequences (prompt ones, and the kept tokens')."""
         if self.state is not None:
+            restores, fresh = [], []
             for seq in plan.seqs:
                 if not seq.state_ready:   # first step: resume from the checkpoint, or from zero
                     if seq.restore_slot >= 0:
-                        self.state.copy(seq.restore_slot, seq.state_slot)
+                        restores.append((seq.restore_slot, seq.state_slot))
                     else:
-                        self.state.reset(seq.state_slot)
+                        fresh.append(seq.state_slot)
                     seq.state_ready = True
+            self.state.copy_many(restores)
+            self.state.reset_many(fresh)
         fb, want, lp = self.build(plan)
         self.last = fb
         if fb.depth_bounds is not None:       # drafts: _verify decides which rows get full logits
