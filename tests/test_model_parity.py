@@ -90,13 +90,18 @@ def test_chunked_prefill_equals_one_pass(preset, models):
 
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-hybrid"])
 def test_bf16_matches_transformers_in_bf16(preset, models):
-    """The bf16 compute dtype (`--dtype bfloat16`) against its own reference, transformers in bf16.
-    Both round at different points, so logits agree to bf16 precision, not bit for bit; the greedy
-    token must agree wherever the reference's top two logits are further apart than that rounding
-    (at ties, two correct bf16 implementations may pick either). A bf16-weights model that silently
-    ran in fp32 (the loader once copied bf16 tensors into fp32 modules) fails the dtype check."""
+    """The bf16 compute dtype (`--dtype bfloat16`) against its own reference, transformers in bf16,
+    and both against transformers in fp32 (the exact answer). Both bf16 implementations round at
+    different points (ours attends with SDPA's flash kernel on bf16 inputs, accumulating in fp32,
+    as GPU engines do; transformers' eager attention rounds its matmuls to bf16), so logits agree
+    to bf16 precision, not bit for bit: ours must be about as close to fp32 as transformers' own
+    bf16 is, and the greedy token must agree with fp32's wherever fp32's top two logits are
+    further apart than transformers' bf16 error reaches on that row (at closer gaps, two correct
+    bf16 implementations may pick either). A bf16-weights model that silently ran in fp32 (the
+    loader once copied bf16 tensors into fp32 modules) fails the dtype check."""
     path = models[preset]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    exact = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ours = Harness(path, torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for n, p in ours.model.named_parameters()
                if not n.endswith(("A_log", "dt_bias", "conv_weight")))
@@ -104,26 +109,31 @@ def test_bf16_matches_transformers_in_bf16(preset, models):
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, ours.spec.vocab_size, (77,), generator=g).tolist()
 
-    def check(got: torch.Tensor, ref: torch.Tensor) -> None:
-        got, ref = got.float(), ref.float()
-        std = ref.std()
+    def check(got: torch.Tensor, ref: torch.Tensor, ref32: torch.Tensor) -> None:
+        got, ref, ref32 = got.float(), ref.float(), ref32.float()
+        std = ref32.std()
         assert std > 1.0
         diff = (got - ref).abs()
         assert diff.mean() < 0.03 * std and diff.max() < 0.15 * std, (diff.mean(), diff.max(), std)
-        top2 = ref.topk(2, dim=-1).values
-        clear = top2[..., 0] - top2[..., 1] > 0.02 * std
-        assert clear.float().mean() > 0.8        # most positions have a clear winner to compare
-        assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+        ours_err, hf_err = (got - ref32).abs(), (ref - ref32).abs()
+        assert ours_err.mean() < 1.5 * hf_err.mean() and ours_err.max() < 1.5 * hf_err.max(), (
+            ours_err.mean(), hf_err.mean(), ours_err.max(), hf_err.max())
+        top2 = ref32.topk(2, dim=-1).values
+        clear = top2[..., 0] - top2[..., 1] > 2 * hf_err.max(dim=-1).values
+        assert clear.float().mean() > 0.5        # most positions have a clear winner to compare
+        assert torch.equal(got.argmax(-1)[clear], ref32.argmax(-1)[clear])
 
     with torch.inference_mode():
-        out = hf(torch.tensor([prompt]), use_cache=True)
-        check(ours.run(prompt, 0, all_logits=True), out.logits[0])
-        cache, tokens = _cache(out), list(prompt)
-        refs, gots = [], []
-        for _ in range(12):      # teacher-forced on the reference's tokens, across a page boundary
-            tokens.append(int(out.logits[0, -1].argmax()))
+        out, out32 = hf(torch.tensor([prompt]), use_cache=True), exact(torch.tensor([prompt]), use_cache=True)
+        check(ours.run(prompt, 0, all_logits=True), out.logits[0], out32.logits[0])
+        cache, cache32, tokens = _cache(out), _cache(out32), list(prompt)
+        refs, refs32, gots = [], [], []
+        for _ in range(12):      # teacher-forced on the exact model's tokens, across a page boundary
+            tokens.append(int(out32.logits[0, -1].argmax()))
             out = hf(torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
-            cache = _cache(out)
+            out32 = exact(torch.tensor([[tokens[-1]]]), cache=cache32, use_cache=True)
+            cache, cache32 = _cache(out), _cache(out32)
             refs.append(out.logits[0, -1])
+            refs32.append(out32.logits[0, -1])
             gots.append(ours.run(tokens, len(tokens) - 1, all_logits=False)[0])
-        check(torch.stack(gots), torch.stack(refs))
+        check(torch.stack(gots), torch.stack(refs), torch.stack(refs32))

@@ -65,9 +65,13 @@ def prefill_attention(
     L = slots.shape[0]
     if L != prefix_len + E:
         raise ValueError(f"len(slots)={L} != prefix_len + E = {prefix_len} + {E}")
-    k = k_cache.index_select(0, slots).float().transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-    v = v_cache.index_select(0, slots).float().transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-    qf = q.float().transpose(0, 1).unsqueeze(0)  # [1, Hq, E, D]
+    # in the serving dtype (a bf16 pool stays bf16), as cascade._attend_flash: SDPA's CPU kernel
+    # accumulates in fp32 whatever its inputs, and a 3,100-token causal prefill ran 2.5x faster
+    # than on upcast copies (as close to fp32 as transformers' bf16: test_model_parity)
+    dt = q.dtype if q.dtype == k_cache.dtype else torch.float32
+    k = k_cache.index_select(0, slots).to(dt).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+    v = v_cache.index_select(0, slots).to(dt).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+    qf = q.to(dt).transpose(0, 1).unsqueeze(0)  # [1, Hq, E, D]
     if prefix_len == 0:
         # square causal: SDPA's top-left aligned is_causal is exactly right and needs no mask
         mask, causal = None, True
