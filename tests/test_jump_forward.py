@@ -193,21 +193,11 @@ def test_draft_rows_are_sampled_over_their_allowed_tokens_only(models):
     assert (got - want).abs().max() < 0.03, (got, want)
 
 
-def test_certain_draft_tokens_are_those_the_grammar_alone_allows(models):
-    """runner.mark_certain: a sequence's `certain` counts its draft's first tokens at which the
-    mask allows that token and no other, checked here position by position against the matcher's
-    own mask; the matchers are left where they were."""
-    import torch
-    import xgrammar as xgr
-    from radixflow.services.executor.constrain import single_allowed
+def drafting_after(d: Drafter, g: Compiled, prefixes: list[str]) -> list:
+    """A sequence per prefix, its matcher past the prefix's tokens, with the draft it makes there."""
     from radixflow.services.executor.sequence import Sequence
-    model = models["tiny-dense"]
-    ready, failed, _, without, *_ = made(model)
-    runner = without.runner
-    d = Drafter(model, max_draft=8)
-    g = Compiled(ready["xgrammar"], SCHEMAS[1])
     seqs = []
-    for i, prefix in enumerate(['[{"', '[{"identifier": "constant', '[{"identifier": "constant-value-here", "fl']):
+    for i, prefix in enumerate(prefixes):
         seq = Sequence(rid=f"s{i}", tokens=[5], sampling=SamplingParams(max_new_tokens=50), eos_ids=frozenset())
         seq.matcher = g.load_grammar().matcher()
         for t in d.encode(prefix):
@@ -215,6 +205,22 @@ def test_certain_draft_tokens_are_those_the_grammar_alone_allows(models):
             seq.tokens.append(t)
         seq.draft = d.draft(seq)
         seqs.append(seq)
+    return seqs
+
+
+def test_certain_draft_tokens_are_those_the_grammar_alone_allows(models):
+    """runner.mark_certain: a sequence's `certain` counts its draft's first tokens at which the
+    mask allows that token and no other, checked here position by position against the matcher's
+    own mask; the matchers are left where they were."""
+    import torch
+    import xgrammar as xgr
+    from radixflow.services.executor.constrain import single_allowed
+    model = models["tiny-dense"]
+    ready, failed, _, without, *_ = made(model)
+    runner = without.runner
+    d = Drafter(model, max_draft=8)
+    g = Compiled(ready["xgrammar"], SCHEMAS[1])
+    seqs = drafting_after(d, g, ['[{"', '[{"identifier": "constant', '[{"identifier": "constant-value-here", "fl'])
     assert all(s.draft for s in seqs)
     before = [s.matcher.forced_text() for s in seqs]
     runner.mark_certain(seqs)
@@ -241,21 +247,13 @@ def test_mark_certain_masks_are_reused_only_for_unchanged_matchers(models):
     the next fill(reuse=True) copies them, bit for bit what the grammar gives; a matcher that was
     not kept, or any fill in between, makes the grammar fill again."""
     import torch
-    from radixflow.services.executor.sequence import Sequence
     model = models["tiny-dense"]
     ready, _, _, without, *_ = made(model)
     runner, con = without.runner, without.runner.constrainer
     d = Drafter(model, max_draft=8)
     g = Compiled(ready["xgrammar"], SCHEMAS[1])
-    seqs = []
-    for i, prefix in enumerate(['[{"', '[{"identifier": "constant-value-here", "fl', '[{"identifier": "constant-value-here", "flag": ']):
-        seq = Sequence(rid=f"s{i}", tokens=[5], sampling=SamplingParams(max_new_tokens=50), eos_ids=frozenset())
-        seq.matcher = g.load_grammar().matcher()
-        for t in d.encode(prefix):
-            assert seq.matcher.accept_token(t)
-            seq.tokens.append(t)
-        seq.draft = d.draft(seq)
-        seqs.append(seq)
+    seqs = drafting_after(d, g, ['[{"', '[{"identifier": "constant-value-here", "fl',
+                                 '[{"identifier": "constant-value-here", "flag": '])
     drafting = [s for s in seqs if s.draft]
     assert drafting and len(drafting) < len(seqs)
     runner.mark_certain(drafting)
