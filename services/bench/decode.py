@@ -85,10 +85,13 @@ def run_decode(model: str, batches: list[int], prompt_len: int, new_tokens: int,
     return {"model": model, "prompt_len": prompt_len, "new_tokens": new_tokens, "rounds": rounds, "rows": rows}
 
 
+WARM = 5
+
+
 def run_latency(model: str, prompt_len: int, repeats: int) -> dict:
     """1-token requests, alternately on the Engine (its own process) and through HTTP; medians
-    after two warm-up requests each."""
-    prompts = _prompts(repeats + 2, prompt_len, seed=99)
+    after WARM warm-up requests each (the served side's first few run slower)."""
+    prompts = _prompts(repeats + WARM, prompt_len, seed=99)
     with EngineHost(model) as host:
         async def both():
             loop = asyncio.get_running_loop()
@@ -102,7 +105,7 @@ def run_latency(model: str, prompt_len: int, repeats: int) -> dict:
                     srv.append(t.s)
             return eng, srv
         eng, srv = asyncio.run(both())
-    e, s = median(eng[2:]), median(srv[2:])
+    e, s = median(eng[WARM:]), median(srv[WARM:])
     return {"model": model, "prompt_len": prompt_len, "repeats": repeats, "engine_ms": round(e * 1e3, 2),
             "served_e2e_ms": round(s * 1e3, 2), "service_path_overhead_ms": round((s - e) * 1e3, 2),
             "served_vs_engine": round(s / e, 2)}

@@ -210,7 +210,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         out = run_decode(model, [int(b) for b in a.batch.split(",")], a.prompt_len, a.new_tokens)
     elif a.which == "latency":
         from radixflow.services.bench.decode import run_latency
-        out = run_latency(model, a.prompt_len, a.repeats)
+        out = run_latency(model, a.prompt_len, a.repeats or 60)
     elif a.which == "structured":
         from radixflow.services.bench.structured import run_structured
         out = run_structured(model, batch=16, rounds=a.rounds)
@@ -233,7 +233,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                           a.output_tokens)
     elif a.which == "sampler":
         from radixflow.services.bench.sampler import run_sampler
-        out = run_sampler(batch=a.rows, vocab=a.vocab, repeats=a.repeats)
+        out = run_sampler(batch=a.rows, vocab=a.vocab, repeats=a.repeats or 20)
     elif a.which == "schemas":
         from radixflow.services.bench.schemas import SchemasBenchConfig, run_schemas
         if not a.dir:
@@ -332,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", default="1,16", help="decode: comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=None,
+                   help="latency: 1-token requests per side (60: a 2-core machine's noise moves a median of 20 "
+                        "by milliseconds); sampler: steps per case (20)")
     p.add_argument("--rounds", type=int, default=5, help="structured: interleaved decode rounds (ratios: medians of each round's)")
     p.add_argument("--vocab", type=int, default=151936, help="sampler: vocabulary size (default: Qwen3's)")
     p.add_argument("--rows", type=int, default=64, help="sampler: sequences in the step")
