@@ -256,3 +256,35 @@ def test_more_requests_than_running_slots_all_finish(models, overlap):
         done |= {o.rid for _, o in e.step() if o.finished}
         steps += 1
     assert len(done) == 12 and e.num_waiting == 0 and no_leak(e)
+
+
+def test_a_quiet_request_reports_its_first_output_and_its_end_only(engine):
+    """ExecRequest.quiet (no stream, no stop strings: the scheduler makes the text at the end): the
+    executor publishes the first output (time to first token) and the last, which carries every
+    token in between at the right offset; the tokens are those of the same request reported each
+    step, also with logprobs, and also when it is aborted midway."""
+    import msgspec
+
+    def outputs(r: ExecRequest, abort_after: int = 0) -> list:
+        engine.add(r)
+        got, steps = [], 0
+        while engine.has_work():
+            got += [o for _, o in engine.step() if o.rid == r.rid]
+            steps += 1
+            if abort_after and steps == abort_after:
+                engine.abort([r.rid])
+        return got
+
+    base = req("loud", prompt(31, 40), max_new_tokens=12, ignore_eos=True, logprobs=True)
+    loud = outputs(base)
+    quiet = outputs(msgspec.structs.replace(base, rid="quiet", quiet=True))
+    assert len(loud) == 12 and len(quiet) == 2
+    assert [o.offset for o in quiet] == [0, 1] and quiet[-1].finished and not quiet[0].finished
+    assert sum((o.token_ids for o in quiet), []) == sum((o.token_ids for o in loud), [])
+    # (the second run reads the first one's cached prompt: logprobs equal to float rounding)
+    assert sum((o.logprobs for o in quiet), []) == pytest.approx(sum((o.logprobs for o in loud), []), abs=1e-4)
+    cut = outputs(msgspec.structs.replace(base, rid="cut", quiet=True), abort_after=5)
+    assert len(cut) == 2 and cut[-1].finish_reason == "abort"
+    ids = sum((o.token_ids for o in cut), [])
+    assert 1 < len(ids) < 12 and ids == sum((o.token_ids for o in loud), [])[:len(ids)]
+    assert no_leak(engine)

@@ -222,7 +222,10 @@ async def test_a_lost_output_is_fetched_again_from_the_executor(nats, models):
             await intake(step)
         route.fn = lossy
         try:
-            code, got = await post(st.base, "/generate", body | {"stream": False})
+            # a stop string (that never matches) makes the executor report every step: without one a
+            # non-streamed request is quiet (its first output and its end only), with nothing between to lose
+            loud = body | {"sampling_params": body["sampling_params"] | {"stop": ["<never printed>"]}}
+            code, got = await post(st.base, "/generate", loud | {"stream": False})
         finally:
             route.fn = intake
         assert dropped and code == 200

@@ -60,6 +60,7 @@ class Sequence:
     pin_ttl_s: float = 0.0
     discard: bool = False        # cancelled branch: cache nothing more at release
     after: str = ""              # programs: not admitted while this request is live here (its parent)
+    quiet: bool = False          # report the first output and the last only (ExecRequest.quiet)
     logprob_start: int = -1      # >= 0: collect logprobs of prompt tokens from here on ...
     input_logprobs: list[float] = field(default_factory=list)   # ... in order
     input_top_logprobs: list[TopLogprobs] = field(default_factory=list)   # ... and their top alternatives

@@ -208,9 +208,12 @@ class SchedulerService(OutputPath, Actor):
             ex.inflight += req.n == 1
             deadline = time.monotonic() + self.cfg.request_timeout_s
             start = min(req.logprob_start, len(ids) - 1) if req.logprob_start >= 0 else -1   # past the end: the last
+            # not streamed and no stop strings: the text is made once, at the end (Tracked.incremental),
+            # so the executor need not publish the tokens in between
             exec_req = ExecRequest(rid=req.rid, input_ids=ids, sampling=req.sampling, namespace=namespace,
                                    quota_pages=req.limits.max_cached_pages if req.limits else 0,
-                                   grammar_key=grammar_key, logprob_start=start)
+                                   grammar_key=grammar_key, logprob_start=start,
+                                   quiet=not (req.stream or req.sampling.stop))
             if req.n == 1:
                 await self.dispatch(ex, exec_req, Tracked(
                     rid=req.rid, stream_subject=req.stream_subject, executor=ex.instance, prompt_tokens=len(ids),

@@ -191,6 +191,8 @@ class ExecRequest(Msg):
     logprob_start: int = -1           # >= 0: return the logprobs of prompt tokens from this position on
     after: str = ""                   # programs: wait (unadmitted) while this request runs here; its
                                       # release caches the prefix this one continues from
+    quiet: bool = False               # the scheduler needs its first output and its last only (no stream,
+                                      # no stop strings): nothing in between is published
 
 
 class ExecAccepted(Msg):
