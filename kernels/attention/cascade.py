@@ -128,7 +128,8 @@ def cascade_prefill(q, k_cache, v_cache, bounds: list[tuple[int, int]], seq_slot
         if i in alone:
             continue
         q_pos = torch.arange(prefix_lens[i], prefix_lens[i] + e - s, device=dev)
-        out[s:e] = attend_lse(q[s:e], gather_rows(k_cache, seq_slots[i]), gather_rows(v_cache, seq_slots[i]), scale, q_pos)[0]
+        k, v = gather_rows(k_cache, seq_slots[i]), gather_rows(v_cache, seq_slots[i])
+        out[s:e] = attend_lse(q[s:e], k, v, scale, q_pos)[0]
     return out.to(q.dtype)
 
 

@@ -38,7 +38,7 @@ from .siblings import Siblings, child_rid
 from .structured import OutputCheck, check_constraint
 from .routing import Candidate, Router
 from .streamlog import StreamLog
-from .table import RequestTable, Tracked, namespace_of
+from .table import RequestTable, Tracked, incremental, namespace_of
 from .tenants import RETRY_AFTER_S, TenantLedger, Ticket
 
 ENDED_KEEP_S = 2.0    # a request whose terminal item was sent this recently still counts as known (LiveQuery)
@@ -208,12 +208,11 @@ class SchedulerService(OutputPath, Actor):
             ex.inflight += req.n == 1
             deadline = time.monotonic() + self.cfg.request_timeout_s
             start = min(req.logprob_start, len(ids) - 1) if req.logprob_start >= 0 else -1   # past the end: the last
-            # not streamed and no stop strings: the text is made once, at the end (Tracked.incremental),
-            # so the executor need not publish the tokens in between
+            # text made once, at the end: the executor need not publish the tokens in between
             exec_req = ExecRequest(rid=req.rid, input_ids=ids, sampling=req.sampling, namespace=namespace,
                                    quota_pages=req.limits.max_cached_pages if req.limits else 0,
                                    grammar_key=grammar_key, logprob_start=start,
-                                   quiet=not (req.stream or req.sampling.stop))
+                                   quiet=not incremental(req.stream, req.sampling))
             if req.n == 1:
                 await self.dispatch(ex, exec_req, Tracked(
                     rid=req.rid, stream_subject=req.stream_subject, executor=ex.instance, prompt_tokens=len(ids),

@@ -21,6 +21,12 @@ def namespace_of(scope: str, cache_salt: str | None) -> str:
     return scope + (f"/{cache_salt}" if cache_salt else "")
 
 
+def incremental(stream: bool, sampling: SamplingParams) -> bool:
+    """Whether a request's text is made every step (streaming, or stop strings to watch) or once, at
+    the end; only then must the executor report every step (else ExecRequest.quiet)."""
+    return stream or bool(sampling.stop)
+
+
 @dataclass(eq=False)
 class Tracked:
     rid: str
@@ -65,7 +71,7 @@ class Tracked:
     @property
     def incremental(self) -> bool:
         """Detokenize every step (streaming, or stop strings to watch); else once at the end."""
-        return self.stream or bool(self.sampling.stop)
+        return incremental(self.stream, self.sampling)
 
     def take(self, text: str, **kw) -> StreamChunk:
         """The next chunk: `text` and the output ids (and their logprobs) not sent yet."""
