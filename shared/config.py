@@ -51,6 +51,8 @@ class ExecutorConfig:
     jump_forward: int = 0             # structured output: draft tokens verified per step (0: off; README)
     jump_forward_policy: str = "auto"  # ... of every forced token ("all"), only "certain" ones (the only token
                                        # allowed), or "auto": the others too while they pay (engine.py)
+    forced_spelling: str = "tokenizer"  # ... text the grammar forces: any spelling ("model") or the tokenizer's
+                                      # ("tokenizer": masks keep its next token alone; spelling.py)
     overlap: bool = True              # radix exchanges travel while a step computes (engine.EngineConfig.overlap)
     disable_radix_cache: bool = False
 

@@ -169,7 +169,7 @@ def test_mixed_batch_masks_each_row_by_its_engine(engines, tok):
     ml.accept_token(tok.encode("{")[0])            # one token in: the llguidance row is mid-grammar
     logits = torch.randn(3, V)
     before = logits.clone()
-    Constrainer(V, max_rows=2).mask(logits, [mx, ml, None])   # grows its buffer to 3 rows
+    Constrainer(V, max_rows=2).mask(logits, [mx, ml, None], [0, 0, 0])   # grows its buffer to 3 rows
     walk = Walk(tok, V)
     for row, m in ((0, mx), (1, ml)):
         allowed = walk.allowed(m)
@@ -197,7 +197,7 @@ def test_padded_vocabulary_never_allowed(models, tmp_path):
     c = Constrainer(V, max_rows=2)
     ms = [b.load(b.compile("json_object", "json_object").raw).matcher() for b in ready.values()]
     logits = torch.zeros(2, V)
-    c.mask(logits, ms)
+    c.mask(logits, ms, [0] * len(ms))
     assert c.bitmask.shape[1] == (V + 31) // 32
     assert torch.isinf(logits[:, tok_size:]).all() and torch.isfinite(logits[:, :tok_size]).any(dim=1).all()
 

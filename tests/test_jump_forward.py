@@ -12,6 +12,7 @@ import pytest
 
 from radixflow.services.executor.engine import Engine, EngineConfig
 from radixflow.services.executor.jump import Drafter
+from radixflow.services.executor.spelling import Speller
 from radixflow.services.grammar.backends import make_all
 from radixflow.services.grammar.keys import canonicalize
 from radixflow.shared.messages import ExecRequest, SamplingParams
@@ -68,12 +69,14 @@ _made: dict = {}
 def made(model: str):
     """Per model, made once for the module: its grammar engines, and four Engines: jump-forward
     on (every forced token drafted), off, off without a cache, and on with only certain tokens
-    drafted (each test leaves them empty)."""
+    drafted (each test leaves them empty). All spell forced text as the model likes, so that
+    drafts are verified against samples (the tokenizer's spelling makes most of them certain:
+    test_tokenizer_spelling_...)."""
     if model not in _made:
         ready, failed = make_all(model)
         mk = lambda jf, cache=True, policy="all": Engine(EngineConfig(
             model=model, page_size=16, max_total_tokens=8192, max_running_requests=16, max_prefill_tokens=2048,
-            jump_forward=jf, jump_forward_policy=policy, disable_radix_cache=not cache))
+            jump_forward=jf, jump_forward_policy=policy, disable_radix_cache=not cache, forced_spelling="model"))
         _made[model] = ready, failed, mk(8), mk(0), mk(0, cache=False), mk(8, policy="certain")
         _made[model][2].cfg = dataclasses.replace(_made[model][2].cfg, jump_forward_policy="all")
     return _made[model]
@@ -127,21 +130,21 @@ def test_the_draft_is_the_forced_text_as_the_tokenizer_writes_it(models):
     ready, _ = make_all(model)
     g = Compiled(ready["xgrammar"], {"type": "object", "properties": {"alphabetical": {"const": "chronological"}},
                                      "required": ["alphabetical"], "additionalProperties": False}).load_grammar()
-    d = Drafter(model)
+    d = Drafter(Speller(model))
     from radixflow.services.executor.sequence import Sequence
     seq = Sequence(rid="x", tokens=[5], sampling=SamplingParams(max_new_tokens=50), eos_ids=frozenset())
     seq.matcher = g.matcher()
-    for t in d.encode('{"'):
+    for t in d.speller.encode('{"'):
         assert seq.matcher.accept_token(t)
         seq.tokens.append(t)
     forced = seq.matcher.forced_text()
     assert forced.startswith('alphabetical"')
     draft = d.draft(seq)
-    text = d.tok.decode(draft)
+    text = d.speller.tok.decode(draft)
     assert draft and forced.startswith(text)
     # re-tokenized at the boundary: the pending token's text and the forced text encoded together
-    both = d.encode(d.tok.decode([seq.tokens[-1]]) + forced)
-    assert (both[1:] if both[0] == seq.tokens[-1] else d.encode(forced))[:len(draft)] == draft
+    both = d.speller.encode(d.speller.tok.decode([seq.tokens[-1]]) + forced)
+    assert (both[1:] if both[0] == seq.tokens[-1] else d.speller.encode(forced))[:len(draft)] == draft
     assert seq.matcher.forced_text() == forced          # the matcher is left where it was
     # never more than the request may still generate (one token is the verified step's own)
     seq.sampling = SamplingParams(max_new_tokens=seq.num_output + 2)
@@ -164,7 +167,7 @@ def test_draft_rows_are_sampled_over_their_allowed_tokens_only(models):
         bits[r, ids] = True
 
     def write(rows: int, pattern: list[int]):
-        runner.constrainer.fill([], [], rows)                       # grows the bitmask to `rows` rows
+        runner.constrainer.fill([], [], rows, [])                       # grows the bitmask to `rows` rows
         bm = runner.constrainer.bitmask
         words = torch.zeros(rows, bm.shape[1] * 32, dtype=torch.int64)
         words[:, :V] = bits[pattern].to(torch.int64)
@@ -200,7 +203,7 @@ def drafting_after(d: Drafter, g: Compiled, prefixes: list[str]) -> list:
     for i, prefix in enumerate(prefixes):
         seq = Sequence(rid=f"s{i}", tokens=[5], sampling=SamplingParams(max_new_tokens=50), eos_ids=frozenset())
         seq.matcher = g.load_grammar().matcher()
-        for t in d.encode(prefix):
+        for t in d.speller.encode(prefix):
             assert seq.matcher.accept_token(t)
             seq.tokens.append(t)
         seq.draft = d.draft(seq)
@@ -218,7 +221,7 @@ def test_certain_draft_tokens_are_those_the_grammar_alone_allows(models):
     model = models["tiny-dense"]
     ready, failed, _, without, *_ = made(model)
     runner = without.runner
-    d = Drafter(model, max_draft=8)
+    d = Drafter(Speller(model), max_draft=8)
     g = Compiled(ready["xgrammar"], SCHEMAS[1])
     seqs = drafting_after(d, g, ['[{"', '[{"identifier": "constant', '[{"identifier": "constant-value-here", "fl'])
     assert all(s.draft for s in seqs)
@@ -238,7 +241,7 @@ def test_certain_draft_tokens_are_those_the_grammar_alone_allows(models):
             want += 1
             s.matcher.accept_token(t)
         s.matcher.rollback(want)
-        assert s.certain == want, (s.rid, d.tok.decode(s.draft), s.certain, want)
+        assert s.certain == want, (s.rid, d.speller.tok.decode(s.draft), s.certain, want)
     assert any(s.certain for s in seqs)
 
 
@@ -250,7 +253,7 @@ def test_mark_certain_masks_are_reused_only_for_unchanged_matchers(models):
     model = models["tiny-dense"]
     ready, _, _, without, *_ = made(model)
     runner, con = without.runner, without.runner.constrainer
-    d = Drafter(model, max_draft=8)
+    d = Drafter(Speller(model), max_draft=8)
     g = Compiled(ready["xgrammar"], SCHEMAS[1])
     seqs = drafting_after(d, g, ['[{"', '[{"identifier": "constant-value-here", "fl',
                                  '[{"identifier": "constant-value-here", "flag": '])
@@ -264,11 +267,11 @@ def test_mark_certain_masks_are_reused_only_for_unchanged_matchers(models):
     backend.fill = lambda ms, bm, rs: (calls.append(list(ms)), fill(ms, bm, rs))
     try:
         order = list(reversed(seqs))              # other rows than mark_certain's
-        con.fill([0, 1, 2], [s.matcher for s in order], 3, reuse=True)
+        con.fill([0, 1, 2], [s.matcher for s in order], 3, [s.tokens[-1] for s in order], reuse=True)
         assert calls == [[s.matcher for s in order if not s.draft]]       # only the one not kept
         reused = con.bitmask[:3].clone()
         assert con.kept is None
-        con.fill([0, 1, 2], [s.matcher for s in order], 3, reuse=True)   # nothing kept now: all filled
+        con.fill([0, 1, 2], [s.matcher for s in order], 3, [s.tokens[-1] for s in order], reuse=True)   # nothing kept now: all filled
         assert calls[-1] == [s.matcher for s in order]
         assert torch.equal(con.bitmask[:3], reused)
     finally:
@@ -281,22 +284,22 @@ def test_drafter_remembers_spellings(models):
     model = models["tiny-dense"]
     ready, *_ = made(model)
     g = Compiled(ready["xgrammar"], SCHEMAS[1])
-    d = Drafter(model, max_draft=8)
+    d = Drafter(Speller(model), max_draft=8)
     drafts = []
     for _ in range(2):
         seq = Sequence(rid="x", tokens=[5], sampling=SamplingParams(max_new_tokens=50), eos_ids=frozenset())
         seq.matcher = g.load_grammar().matcher()
-        for t in d.encode('[{"'):
+        for t in d.speller.encode('[{"'):
             assert seq.matcher.accept_token(t)
             seq.tokens.append(t)
         drafts.append(d.draft(seq))
         seq.draft = drafts[-1]
         del seq.draft[1:]                           # the engine trims drafts in place: not the cache's list
-    assert len(d.spelled) == 1
-    fresh = Drafter(model, max_draft=8)
+    assert len(d.speller.spelled) == 1
+    fresh = Drafter(Speller(model), max_draft=8)
     text = seq.matcher.forced_text()
-    assert drafts[1][:1] == fresh.spell(seq.tokens[-1], text)[:1] and len(drafts[1]) == 1
-    assert list(d.spelled.values())[0] == fresh.spell(seq.tokens[-1], text) and len(fresh.spelled[(seq.tokens[-1], text)]) > 1
+    assert drafts[1][:1] == fresh.speller.spell(seq.tokens[-1], text)[:1] and len(drafts[1]) == 1
+    assert list(d.speller.spelled.values())[0] == fresh.speller.spell(seq.tokens[-1], text) and len(fresh.speller.spelled[(seq.tokens[-1], text)]) > 1
 
 
 def test_auto_drafts_uncertain_tokens_while_they_pay(models):
@@ -323,3 +326,80 @@ def test_auto_drafts_uncertain_tokens_while_they_pay(models):
             assert engine._uncertain_pays() is want
     finally:
         engine.cfg, engine.runner.unsure, engine.steps = saved
+
+
+@pytest.mark.parametrize("name,backend", [("tiny-dense", "xgrammar"), ("tiny-hybrid", "llguidance")])
+def test_tokenizer_spelling_forces_the_tokenizers_tokens_with_and_without_jump_forward(models, name, backend):
+    """forced_spelling=tokenizer (spelling.py): wherever the grammar forces text that the tokenizer
+    spells with more than one token, the output has the spelling's next token there (the mask
+    allows no other); the output is the same with jump-forward (which then keeps those tokens as
+    certain, unsampled) as without it."""
+    model = models[name]
+    ready, failed = make_all(model)
+    assert backend in ready, failed
+    mk = lambda jf: Engine(EngineConfig(model=model, page_size=16, max_total_tokens=8192, max_running_requests=16,
+                                        max_prefill_tokens=2048, jump_forward=jf, forced_spelling="tokenizer"))
+    with_jf, without = mk(8), mk(0)
+    grammars = [Compiled(ready[backend], s) for s in SCHEMAS]
+    reqs = lambda: [(ExecRequest(rid=f"c{i}", input_ids=prompt(i, 20 + 7 * i), eos_token_ids=[0, 2],
+                                 sampling=SamplingParams(temperature=0.0, max_new_tokens=60)), i % 2) for i in range(6)]
+    a, b = run(with_jf, grammars, reqs()), run(without, grammars, reqs())
+    assert a == b
+    assert with_jf.runner.certain > 0 and with_jf.steps < without.steps
+    speller = Speller(model)
+    spelled = 0
+    for i in range(6):
+        m, last = grammars[i % 2].load_grammar().matcher(), prompt(i, 20 + 7 * i)[-1]
+        for t in b[f"c{i}"]:
+            want = speller.forced(last, m)
+            if want is not None:
+                assert t == want, (i, speller.tok.decode(b[f"c{i}"]))
+                spelled += 1
+            assert m.accept_token(t)
+            last = t
+    assert spelled > 10
+    if backend == "llguidance":     # its masks allow only its own tokenization of forced text already
+        return
+    # xgrammar under the model's own spelling writes forced text differently somewhere
+    free = Engine(EngineConfig(model=model, page_size=16, max_total_tokens=8192, max_running_requests=16,
+                               max_prefill_tokens=2048, forced_spelling="model"))
+    assert run(free, grammars, reqs()) != b
+
+
+def test_tokenizer_spelling_narrows_a_mask_to_the_spellings_next_token(models):
+    """Constrainer.fill with a speller: a row whose forced text the tokenizer spells with several
+    tokens allows that spelling's first token alone; where the spelling is one token (its end may
+    merge with what the model writes next) or nothing is forced, the grammar's own mask is kept."""
+    import torch
+    from radixflow.services.executor.constrain import Constrainer, allows
+    model = models["tiny-dense"]
+    ready, _ = make_all(model)
+    g = Compiled(ready["xgrammar"], SCHEMAS[1])
+    speller = Speller(model)
+    V = made(model)[3].runner.spec.vocab_size
+    plain, spelling = Constrainer(V, max_rows=4), Constrainer(V, max_rows=4, speller=speller)
+    checked = {"narrowed": 0, "kept": 0}
+    for prefix in ['[{"', '[{"identifier": "constant', '[{"identifier": "constant-value-here", "fl', '[', '[{"identifier": "']:
+        m = g.load_grammar().matcher()
+        last = 5
+        for t in speller.encode(prefix):
+            assert m.accept_token(t)
+            last = t
+        plain.fill([0], [m], 1, [last])
+        spelling.fill([0], [m], 1, [last])
+        text = m.forced_text()
+        ids = speller.spell(last, text) if text else []
+        if len(ids) > 1:
+            assert allows(plain.bitmask, 0, ids[0]) and int((plain.bitmask[0] != 0).sum()) >= 1
+            assert allows(spelling.bitmask, 0, ids[0])
+            assert bool(single_allowed_row(spelling.bitmask))
+            checked["narrowed"] += 1
+        else:
+            assert torch.equal(plain.bitmask[0], spelling.bitmask[0])
+            checked["kept"] += 1
+    assert checked["narrowed"] >= 2 and checked["kept"] >= 1, checked
+
+
+def single_allowed_row(bm):
+    from radixflow.services.executor.constrain import single_allowed
+    return single_allowed(bm, 1)[0]

@@ -5,7 +5,8 @@
 2. decode: tokens/s at batch 16 with a JSON schema vs unconstrained, counted over the steps in
    which all 16 rows are running (so early finishers do not skew either side); the constrained
    side with and without jump-forward decoding (executor/jump.py: policy auto, and beside it all
-   and certain), on engines of one process.
+   and certain), on engines of one process; forced text spelled as the tokenizer spells it (the
+   default), and beside it as the model likes (executor/spelling.py).
 """
 from __future__ import annotations
 
@@ -39,10 +40,11 @@ MEDIUM_SCHEMA = {
     "required": ["tool", "arguments", "confidence"], "additionalProperties": False,
 }
 
-# drafts of at most 2 tokens: on the random-weight checkpoints about half of the drafted tokens are
-# kept, and a longer draft adds rows that are mostly rejected (at Qwen3.5's vocabulary: 1.14x the
-# constrained tok/s at 2, 1.05x at 4, 1.06x at 1)
-JUMP_FORWARD = 2
+# drafts of at most 4 tokens: with the tokenizer's spelling most forced tokens are certain (never
+# undone), and a longer draft adds rows only where the forced text is longer. At Qwen3.5's
+# vocabulary, auto vs its constrained side: 1.24x at 2, 1.28x at 4, 1.29x at 8 (model spelling at 2:
+# 1.21x)
+JUMP_FORWARD = 4
 
 # long outputs, so that decoding (not the end of the grammar) is what is measured
 DECODE_SCHEMA = {"type": "object", "properties": {"rows": {"type": "array", "minItems": 64, "maxItems": 64, "items": {
@@ -79,10 +81,13 @@ def _decode(model: str, blob: bytes, batch: int, new_tokens: int, rounds: int) -
     from radixflow.services.grammar.backends import make
     from radixflow.shared.messages import ExecRequest, SamplingParams
     grammar = make("xgrammar", model).load(zlib.decompress(blob))
-    plain = Engine(EngineConfig(model=model, max_running_requests=batch, burst_gap_s=0, jump_forward=0))
-    mk = lambda policy: Engine(EngineConfig(model=model, max_running_requests=batch, burst_gap_s=0,
-                                            jump_forward=JUMP_FORWARD, jump_forward_policy=policy))
-    jumping, every, sure = mk("auto"), mk("all"), mk("certain")
+    mk = lambda jf, policy="auto", spelling="tokenizer": Engine(EngineConfig(
+        model=model, max_running_requests=batch, burst_gap_s=0, jump_forward=jf, jump_forward_policy=policy,
+        forced_spelling=spelling))
+    plain, jumping, every, sure = mk(0), mk(JUMP_FORWARD), mk(JUMP_FORWARD, "all"), mk(JUMP_FORWARD, "certain")
+    # beside them, forced text spelled as the model likes (forced_spelling=model): other outputs,
+    # so its jump-forward is compared with its own constrained side
+    plain_m, jumping_m = mk(0, spelling="model"), mk(JUMP_FORWARD, spelling="model")
 
     def run(engine: Engine, constrained: bool) -> tuple[float, float]:
         """tokens/s over the steps in which all rows run, and tokens per such step per row."""
@@ -105,19 +110,21 @@ def _decode(model: str, blob: bytes, batch: int, new_tokens: int, rounds: int) -
             return float("nan"), float("nan")
         return full_tokens / full_time, full_tokens / full_steps / batch
 
-    for e in (plain, jumping, every, sure):               # warm up every path
+    for e in (plain, jumping, every, sure, plain_m, jumping_m):       # warm up every path
         run(e, False)
         run(e, True)
     # interleaved rounds, so that a machine slowing down or speeding up meanwhile skews no side; the
     # ratios are the medians of each round's own (paired) ratios, steadier than a ratio of medians
     # where the machine's speed drifts by tens of percent from one round to the next
-    frees, constraineds, jf, certain, alls = [], [], [], [], []
+    frees, constraineds, jf, certain, alls, constraineds_m, jf_m = [], [], [], [], [], [], []
     for _ in range(rounds):
         frees.append(run(plain, False)[0])
         constraineds.append(run(plain, True)[0])
         jf.append(run(jumping, True))
         certain.append(run(sure, True)[0])
         alls.append(run(every, True)[0])
+        constraineds_m.append(run(plain_m, True)[0])
+        jf_m.append(run(jumping_m, True)[0])
     free, constrained = statistics.median(frees), statistics.median(constraineds)
     jf_tok_s = statistics.median(r[0] for r in jf)
     st = jumping.stats()
@@ -140,7 +147,11 @@ def _decode(model: str, blob: bytes, batch: int, new_tokens: int, rounds: int) -
             # (never undone, never sampled)
             "jump_forward_all_vs_constrained": paired(alls, constraineds),
             "jump_forward_certain_vs_constrained": paired(certain, constraineds),
-            "jump_forward_certain_drafted": sure.stats()["jump_forward_drafted_total"]}
+            "jump_forward_certain_drafted": sure.stats()["jump_forward_drafted_total"],
+            "forced_spelling": "tokenizer",
+            # forced_spelling=model: constrained vs unconstrained, and its auto jump-forward vs it
+            "model_spelling_constrained_vs_unconstrained": paired(constraineds_m, frees),
+            "model_spelling_jump_forward_vs_constrained": paired(jf_m, constraineds_m)}
 
 
 def run_structured(model: str, repeats: int = 200, batch: int = 16, new_tokens: int = 256, rounds: int = 5) -> dict:

@@ -6,7 +6,8 @@
 One Matcher per constrained request (made from the compiled grammar the request names, by the
 engine that compiled it: services/grammar/backends); xgrammar and llguidance rows of one batch
 share the bitmask, since both write the same layout. Unconstrained rows are left alone. The
-bitmask buffer is allocated once.
+bitmask buffer is allocated once. With a speller (forced_spelling "tokenizer", spelling.py), a row
+whose grammar forces text keeps only the next token of the tokenizer's spelling of it.
 """
 from __future__ import annotations
 
@@ -15,22 +16,25 @@ import xgrammar as xgr
 
 from radixflow.services.grammar.backends.base import Backend, Matcher
 
+from .spelling import Speller
+
 
 class Constrainer:
-    def __init__(self, vocab_size: int, max_rows: int):
+    def __init__(self, vocab_size: int, max_rows: int, speller: Speller | None = None):
         self.vocab_size = vocab_size
+        self.speller = speller
         self.bitmask = xgr.allocate_token_bitmask(max_rows, vocab_size)     # int32 [M, ceil(V / 32)]
         # rows filled by jump-forward's mark_certain, for matchers whose state the next step's first
         # fill finds unchanged (the engine accepts tokens only after that fill): that fill copies
         # them instead of asking the grammar again (keep, fill(reuse=True))
         self.kept: tuple[torch.Tensor, dict[int, tuple[Matcher, int]]] | None = None
 
-    def mask(self, logits: torch.Tensor, matchers: list[Matcher | None]) -> None:
-        """Mask, in place, the rows of `logits` whose matcher is given."""
+    def mask(self, logits: torch.Tensor, matchers: list[Matcher | None], lasts: list[int]) -> None:
+        """Mask, in place, the rows of `logits` whose matcher is given (lasts: each row's last token)."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return
-        self.fill(rows, [matchers[i] for i in rows], logits.shape[0], reuse=True)
+        self.fill(rows, [matchers[i] for i in rows], logits.shape[0], [lasts[i] for i in rows], reuse=True)
         self.apply(logits, rows)
 
     def keep(self, matchers: list[Matcher]) -> None:
@@ -39,17 +43,19 @@ class Constrainer:
         n = len(matchers)
         self.kept = (self.bitmask[:n].clone(), {id(m): (m, j) for j, m in enumerate(matchers)})
 
-    def fill(self, rows: list[int], matchers: list[Matcher], num_rows: int, reuse: bool = False) -> None:
-        """Write the allowed tokens of matchers[j] (in its current state) into bitmask row rows[j].
-        reuse: the matchers' states are those of the last keep() (for the ones it named)."""
+    def fill(self, rows: list[int], matchers: list[Matcher], num_rows: int, lasts: list[int],
+             reuse: bool = False) -> None:
+        """Write the allowed tokens of matchers[j] (in its current state, after token lasts[j]) into
+        bitmask row rows[j]. reuse: the matchers' states are those of the last keep() (for the ones
+        it named)."""
         if num_rows > self.bitmask.shape[0]:
             grown = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
             grown[: self.bitmask.shape[0]] = self.bitmask
             self.bitmask = grown
         kept, self.kept = self.kept, None
         by_engine: dict[Backend, tuple[list[Matcher], list[int]]] = {}
-        to, frm = [], []
-        for r, m in zip(rows, matchers):
+        to, frm, spelled = [], [], []
+        for r, m, last in zip(rows, matchers, lasts):
             if reuse and kept is not None:
                 mj = kept[1].get(id(m))
                 if mj is not None and mj[0] is m:
@@ -59,10 +65,17 @@ class Constrainer:
             ms, rs = by_engine.setdefault(m.backend, ([], []))
             ms.append(m)
             rs.append(r)
+            if self.speller is not None:
+                t = self.speller.forced(last, m)
+                if t is not None:
+                    spelled.append((r, t))
         if to:
             self.bitmask[torch.tensor(to, dtype=torch.int64)] = kept[0][torch.tensor(frm, dtype=torch.int64)]
         for engine, (ms, rs) in by_engine.items():
             engine.fill(ms, self.bitmask, rs)
+        for r, t in spelled:
+            if allows(self.bitmask, r, t):    # the grammar's own mask has the final say
+                only(self.bitmask, r, t)
 
     def apply(self, logits: torch.Tensor, rows: list[int], mask_rows: list[int] | None = None) -> None:
         """-inf, in place, where the filled bitmask rows `rows` (or, for logits row rows[j], bitmask
@@ -74,6 +87,17 @@ class Constrainer:
 
 
 _BITS = torch.arange(32, dtype=torch.int32)
+
+
+def allows(bitmask: torch.Tensor, row: int, token: int) -> bool:
+    return bool((int(bitmask[row, token >> 5]) >> (token & 31)) & 1)
+
+
+def only(bitmask: torch.Tensor, row: int, token: int) -> None:
+    """Bitmask row `row` allows `token` alone."""
+    bitmask[row].zero_()
+    bit = 1 << (token & 31)
+    bitmask[row, token >> 5] = bit - (1 << 32) if bit >= 1 << 31 else bit      # int32: bit 31 is the sign
 
 
 def single_allowed(bitmask: torch.Tensor, rows: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ from radixflow.services.radix.pool import pages_for
 from .batcher import Batcher, Plan, candidate_tokens
 from .exchange import RadixExchange
 from .jump import Drafter
+from .spelling import Speller
 from .pages import LocalPages, PageAuthority
 from .runner import ModelRunner
 from .sampler import has_penalties
@@ -73,6 +74,12 @@ class EngineConfig:
     # kept without sampling, never undone), or "auto": the others too while they pay (see
     # _uncertain_pays)
     jump_forward_policy: str = "auto"
+    # structured output: how text the grammar forces is spelled in tokens (spelling.py).
+    # "tokenizer": as the tokenizer spells it (a mask keeps the spelling's next token alone), the
+    # tokens a trained model saw for such text; llguidance's masks do so already, SGLang's
+    # jump-forward appends them, and jump-forward keeps them without sampling. "model": any
+    # spelling the grammar allows, the model's choice
+    forced_spelling: str = "tokenizer"
     # Overlap (SGLang's overlap scheduler, for the page authority): while sequences are running, a
     # step's exchange with radix travels while the step computes, and its admissions join the next
     # step, so the round trip is off the compute thread's critical path. An idle engine still
@@ -110,7 +117,12 @@ class Engine(RadixExchange):
             self.runner.warmup(cfg.warmup_tokens)
         if cfg.jump_forward_policy not in ("all", "certain", "auto"):
             raise ValueError(f"jump_forward_policy must be 'all', 'certain' or 'auto', not {cfg.jump_forward_policy!r}")
-        self.drafter = Drafter(cfg.model, cfg.jump_forward) if cfg.jump_forward > 0 else None
+        if cfg.forced_spelling not in ("model", "tokenizer"):
+            raise ValueError(f"forced_spelling must be 'model' or 'tokenizer', not {cfg.forced_spelling!r}")
+        speller = Speller(cfg.model) if cfg.jump_forward > 0 or cfg.forced_spelling == "tokenizer" else None
+        if cfg.forced_spelling == "tokenizer":
+            self.runner.constrainer.speller = speller
+        self.drafter = Drafter(speller, cfg.jump_forward) if cfg.jump_forward > 0 else None
         self._row_cost: float | None = None      # auto: a draft row's cost over a full row's
         self.pages = pages or LocalPages()
         self._register = RadixRegister(pool=cfg.pool, num_pages=self.num_pages, page_size=cfg.page_size,

@@ -12,34 +12,19 @@ token (test_jump_forward), for sampled ones in distribution (each kept token was
 same conditional). SGLang instead appends the forced text's tokens as they are, which changes the
 output whenever the model would have split the text differently.
 
-The draft is the forced text as the model's tokenizer writes it, re-tokenized at the boundary:
-the pending token's text and the forced text are encoded together, and when that encoding starts
-with the pending token, the draft is the rest (so `"` + `name":` drafts the tokens the tokenizer
-writes after a `"`); otherwise the forced text is encoded alone. Only the part the grammar accepts
-is kept, and never more than the request may still generate.
+The draft is the forced text as the model's tokenizer writes it (spelling.py), only the part the
+grammar accepts, and never more than the request may still generate.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
-from tokenizers import Tokenizer
-
 from .sequence import Sequence
+from .spelling import Speller
 
 
 class Drafter:
-    # forced texts repeat (a schema's keys, `": "`, `}, {"`): their spelling after a given token is
-    # remembered instead of decoding and re-encoding it every step; the dict starts over when full
-    CACHE_SIZE = 4096
-
-    def __init__(self, model_dir: str | Path, max_draft: int = 8):
-        self.tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    def __init__(self, speller: Speller, max_draft: int = 8):
+        self.speller = speller
         self.max_draft = max_draft
-        self.special = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
-        self.spelled: dict[tuple[int, str], list[int]] = {}
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
 
     def draft(self, seq: Sequence) -> list[int]:
         """The next step's draft for `seq` (whose matcher has accepted its pending token)."""
@@ -49,29 +34,5 @@ class Drafter:
         text = seq.matcher.forced_text()
         if not text:
             return []
-        ids = self.spell(seq.tokens[-1], text)[:room]
+        ids = self.speller.spell(seq.tokens[-1], text)[:room]
         return ids[:seq.matcher.legal_prefix(ids)]
-
-    def spell(self, last: int, text: str) -> list[int]:
-        """`text` as the tokenizer writes it after token `last`, up to any special token in it."""
-        key = (last, text)
-        ids = self.spelled.get(key)
-        if ids is not None:
-            return ids
-        ids = []
-        if last not in self.special:
-            prev = self.tok.decode([last], skip_special_tokens=False)
-            if prev and "\ufffd" not in prev:
-                both = self.encode(prev + text)
-                if both[:1] == [last]:
-                    ids = both[1:]
-        if not ids:
-            ids = self.encode(text)
-        for n, t in enumerate(ids):      # forced text spelling a special token ends the draft there
-            if t in self.special:
-                ids = ids[:n]
-                break
-        if len(self.spelled) >= self.CACHE_SIZE:
-            self.spelled.clear()
-        self.spelled[key] = ids
-        return ids

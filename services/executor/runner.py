@@ -316,7 +316,7 @@ class ModelRunner(DraftVerify):
             return {}
         seqs = [plan.seqs[i] for i in want]
         matchers = [s.matcher for s in seqs]
-        out = sampler.sample(logits, seqs, mask=lambda x: self.constrainer.mask(x, matchers))
+        out = sampler.sample(logits, seqs, mask=lambda x: self.constrainer.mask(x, matchers, [s.tokens[-1] for s in seqs]))
         for s, v, top in zip(seqs, out.logprobs, out.top):
             self._keep_logprobs(s, v, top)
         return {i: [t] for i, t in zip(want, out.tokens)}

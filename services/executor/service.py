@@ -78,6 +78,7 @@ class ExecutorService(Actor):
                             disable_radix_cache=cfg.disable_radix_cache, pool=self.instance,
                             burst_gap_s=cfg.burst_gap_s, burst_wait_s=cfg.burst_wait_s,
                             jump_forward=cfg.jump_forward, jump_forward_policy=cfg.jump_forward_policy,
+                            forced_spelling=cfg.forced_spelling,
                             overlap=cfg.overlap, radix_wait_s=cfg.radix_wait_s,
                             decode_reserve=cfg.decode_reserve,
                             state_slots=cfg.state_slots, checkpoint_interval=cfg.checkpoint_interval)

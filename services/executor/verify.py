@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import sampler
-from .constrain import allowed_tokens, single_allowed
+from .constrain import allowed_tokens, allows, single_allowed
 from .forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
@@ -146,11 +146,14 @@ class DraftVerify(_Base):
             s.certain = 0
         d = 0
         while live:
-            self.constrainer.fill(list(range(len(live))), [s.matcher for s in live], len(live))
+            self.constrainer.fill(list(range(len(live))), [s.matcher for s in live], len(live),
+                                  [s.draft[d - 1] if d else s.tokens[-1] for s in live])
             if d == 0:     # the masks the next step needs first (for rows that are not certain)
                 self.constrainer.keep([s.matcher for s in live])
             single = single_allowed(self.constrainer.bitmask, len(live)).tolist()
-            live = [s for s, one in zip(live, single) if one]
+            # the one token allowed is the draft's, unless the tokenizer spells the forced text
+            # differently after a drafted token than it spelled it whole (spelling.py)
+            live = [s for j, (s, one) in enumerate(zip(live, single)) if one and allows(self.constrainer.bitmask, j, s.draft[d])]
             for s in live:
                 s.matcher.accept_token(s.draft[d])     # legal: the drafter checked it
                 s.certain += 1
@@ -171,7 +174,7 @@ class DraftVerify(_Base):
             unsure = [(s, rs) for s, rs in live if d >= s.certain]      # a certain row is not sampled
             if unsure:      # depth 0: the matchers are as mark_certain left them (reuse)
                 self.constrainer.fill([rs[d] for _, rs in unsure], [s.matcher for s, _ in unsure], num_rows,
-                                      reuse=d == 0)
+                                      [s.draft[d - 1] if d else s.tokens[-1] for s, _ in unsure], reuse=d == 0)
             live = [(s, rs) for s, rs in live if d < len(s.draft)]
             for s, _ in live:
                 s.matcher.accept_token(s.draft[d])      # legal: the drafter checked it
