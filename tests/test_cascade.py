@@ -114,6 +114,35 @@ def test_cascade_decode_equals_decode():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_cascade_decode_reads_a_long_own_part_alone(monkeypatch):
+    """A sequence in no group beside a group's members with short own parts: its row is attended
+    alone (LONG_OWN), not padded into the batch of short rows, and every row still equals plain
+    decode attention."""
+    import radixflow.kernels.attention.cascade as C
+    monkeypatch.setattr(C, "LONG_OWN", 16)
+    kc, vc = _pool(n_pages=128, seed=2)
+    shared = [30, 31, 2, 4, 5, 15, 16, 18]      # 64 tokens
+    lone = list(range(40, 80))                  # 320 tokens in pages of its own
+    tables = [shared + [6], shared + [8], lone, shared + [12], shared + [13]]
+    lens = [70, 66, 317, 72, 65]
+    seq_slots = [_slots(t, n) for t, n in zip(tables, lens)]
+    q = torch.randn(5, Hq, D, generator=torch.Generator().manual_seed(3))
+    want = decode_attention(q, kc, vc, torch.nn.utils.rnn.pad_sequence(seq_slots, batch_first=True),
+                            torch.tensor(lens), D ** -0.5)
+    groups = shared_prefixes(tables, [n - 1 for n in lens], PAGE, torch.device("cpu"), singles=False)
+    assert [g.seqs for g in groups] == [[0, 1, 3, 4]]
+    own = [sl[64:] if i != 2 else sl for i, sl in enumerate(seq_slots)]
+    gathered = []
+    real = C.gather_rows
+    monkeypatch.setattr(C, "gather_rows", lambda x, idx: (gathered.append(idx.numel()), real(x, idx))[1])
+    got = cascade_decode(q, kc, vc, torch.nn.utils.rnn.pad_sequence(own, batch_first=True),
+                         torch.tensor([len(o) for o in own]), groups, D ** -0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # the four short rows read 8 slots each (K and V), the long one its 317 (K and V), the group
+    # its 64 shared ones (K and V): never 5 x 317
+    assert sorted(gathered) == [32, 32, 64, 64, 317, 317], gathered
+
+
 def test_shared_prefixes_respect_limits_and_minimum():
     base = list(range(1, 11))                                   # 10 shared pages = 80 tokens
     t = [base + [50, 51], base + [60], base[:9] + [70, 71]]

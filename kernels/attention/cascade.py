@@ -24,6 +24,7 @@ from ..packing import gather_rows
 __all__ = ["SharedPrefix", "attend_lse", "merge", "cascade_prefill", "cascade_decode"]
 
 PADDED_LIMIT = 1 << 21   # query x key pairs up to which short own parts share one padded batch
+LONG_OWN = 256           # decode: an own part longer than this and than twice the median is read alone
 
 
 @dataclass
@@ -162,17 +163,31 @@ def cascade_decode(q, k_cache, v_cache, own_table: torch.Tensor, own_lens: torch
     N, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = Hq // Hkv
-    Lmax = own_table.shape[1]
-    idx = own_table.clamp(min=0)
-    k = gather_rows(k_cache, idx).float()                                     # [N, L, Hkv, D]
-    v = gather_rows(v_cache, idx).float()
-    qf = q.float().reshape(N, Hkv, G, D)
-    s = torch.einsum("nhgd,nlhd->nhgl", qf, k) * scale                       # [N, Hkv, G, L]
-    valid = torch.arange(Lmax, device=q.device)[None, :] < own_lens[:, None]  # [N, L]
-    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)                                          # [N, Hkv, G]
-    o = torch.einsum("nhgl,nlhd->nhgd", torch.exp(s - lse[..., None]), v)
-    o, lse = o.reshape(N, Hq, D), lse.reshape(N, Hq)
+    lens = own_lens.tolist()
+    # one padded batch reads every row's own part at the longest's length: a row far longer than
+    # the rest (a sequence in no group, beside a group's short own parts) is attended alone, or
+    # one 3,100-token row would make 39 grouped rows gather 3,100 slots each (120 MB a step)
+    cut = max(2 * sorted(lens)[len(lens) // 2], LONG_OWN)
+    long = [i for i, n in enumerate(lens) if n > cut]
+    short = [i for i, n in enumerate(lens) if n <= cut]
+    o = torch.empty((N, Hq, D), dtype=torch.float32, device=q.device)
+    lse = torch.empty((N, Hq), dtype=torch.float32, device=q.device)
+    if short:
+        rows = torch.tensor(short, device=q.device) if long else slice(None)
+        L = max(lens[i] for i in short)
+        idx = own_table[rows, :L].clamp(min=0)
+        k = gather_rows(k_cache, idx).float()                                 # [n, L, Hkv, D]
+        v = gather_rows(v_cache, idx).float()
+        qf = q[rows].float().reshape(-1, Hkv, G, D)
+        s = torch.einsum("nhgd,nlhd->nhgl", qf, k) * scale                   # [n, Hkv, G, L]
+        valid = torch.arange(L, device=q.device)[None, :] < own_lens[rows][:, None]   # [n, L]
+        s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+        ls = torch.logsumexp(s, dim=-1)                                       # [n, Hkv, G]
+        o[rows] = torch.einsum("nhgl,nlhd->nhgd", torch.exp(s - ls[..., None]), v).reshape(-1, Hq, D)
+        lse[rows] = ls.reshape(-1, Hq)
+    for i in long:
+        slots = own_table[i, :lens[i]]
+        o[i:i + 1], lse[i:i + 1] = attend_lse(q[i:i + 1], gather_rows(k_cache, slots), gather_rows(v_cache, slots), scale)
     for g in groups:
         rows = torch.tensor(g.seqs, device=q.device)
         o_s, lse_s = attend_lse(q[rows], *g.kv(k_cache, v_cache), scale)
