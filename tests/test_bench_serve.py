@@ -60,9 +60,10 @@ async def test_shared_prefix_against_an_openai_server(stack):
     """bench shared-prefix --against: the agent workload on any OpenAI-compatible server (here
     radixflow's own /v1/completions), its wall time and the prefix hits the server reports."""
     from radixflow.services.bench.shared_prefix import _peer, workload
-    pre, sufs = workload(96, 8, 4, 4000, seed=3)
-    out = await _peer(stack.base, pre, sufs, 2, first_alone=True)
-    assert out["wall_s"] > 0
-    # the first request computes the preamble; the other three reuse its full pages
+    runs = [workload(96, 8, 4, 4000, seed=s) for s in (3, 4)]
+    out = await _peer(stack.base, runs, 2, first_alone=True)
+    assert out["wall_s"] > 0 and len(out["wall_s_runs"]) == 2
+    assert min(out["wall_s_runs"]) - 1e-3 <= out["wall_s"] <= max(out["wall_s_runs"]) + 1e-3      # their median
+    # per run, the first request computes its preamble; the other three reuse its full pages
     assert 0 < out["prefix_hit_rate"] < 1
-    assert out["prefill_tokens_computed"] <= 96 + 4 * 8 + 4 * 16
+    assert 96 <= out["prefill_tokens_computed"] <= 96 + 4 * 8 + 4 * 16

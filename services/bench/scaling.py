@@ -47,7 +47,7 @@ async def _peer(url: str, points: list[tuple[int, int]], vocab: int) -> list[dic
     for pre_len, n in points:
         pre, sufs = workload(pre_len, 100, n, vocab)
         try:
-            r = await peer(url, pre, sufs, 8, True)
+            r = await peer(url, [(pre, sufs)], 8, True)
             rows.append({"preamble": pre_len, "siblings": n, "wall_s": r["wall_s"],
                          "ms_per_request": round(r["wall_s"] / n * 1e3, 1), "prefix_hit_rate": r["prefix_hit_rate"]})
         except Exception as e:       # a point past the peer's limits (its max model length): say so, go on

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import statistics
 
 from radixflow.services.executor.models.spec import ModelSpec
 
@@ -32,7 +33,9 @@ async def warm_up(send, n: int) -> None:
     await asyncio.gather(*(send(list(range(5 + i % 200, 69 + i % 200))) for i in range(n)))
 
 
-async def _side(model: str, pre, sufs, out_tokens: int, cache: bool, first_alone: bool, dtype: str = "auto") -> dict:
+async def _side(model: str, runs: list, out_tokens: int, cache: bool, first_alone: bool, dtype: str = "auto") -> dict:
+    """The workloads `runs` ([(preamble, suffixes)], each with a preamble of its own, so each finds a
+    cold cache) one after the other on one stack; wall_s is their median."""
     async with served(model, ex_disable_radix_cache=not cache, ex_dtype=dtype) as (stack, http, base):
         radix = stack.actors["radix"]
         # warm up, identically on every side, with tokens outside the workload: first-call
@@ -40,35 +43,41 @@ async def _side(model: str, pre, sufs, out_tokens: int, cache: bool, first_alone
         # open (a first burst that opens 40 connections arrives spread over ~100 ms and is admitted
         # piecemeal, which on a hybrid model makes a late sibling recompute the preamble)
         await warm_up(lambda ids: generate(http, base, {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}),
-                      len(sufs))
+                      len(runs[0][1]))
         # the peak of pages in use, from the pool's own high-water mark: a polling task here would wake
         # the event loop every few ms and slow the workload it measures
         for p in radix.pools.values():
             p.peak_used = p.num_pages - p.free_pages
-        body = lambda s: {"input_ids": pre + s, "sampling_params": {"max_new_tokens": out_tokens, "temperature": 0,
-                                                                     "ignore_eos": True}}
-        with Timer() as t:
-            outs = []
-            rest = sufs
-            if first_alone:
-                outs.append(await generate(http, base, body(sufs[0])))
-                rest = sufs[1:]
-            outs += await asyncio.gather(*(generate(http, base, body(s)) for s in rest))
+        walls, outs, last = [], [], []
+        for pre, sufs in runs:
+            body = lambda s: {"input_ids": pre + s, "sampling_params": {"max_new_tokens": out_tokens, "temperature": 0,
+                                                                         "ignore_eos": True}}
+            with Timer() as t:
+                last = []
+                rest = sufs
+                if first_alone:
+                    last.append(await generate(http, base, body(sufs[0])))
+                    rest = sufs[1:]
+                last += await asyncio.gather(*(generate(http, base, body(s)) for s in rest))
+            walls.append(t.s)
+            outs += last
         peak = max(p.peak_used for p in radix.pools.values())
         page_size = stack.cfg.executor.page_size
         pool = next(iter(radix.pools.values()))
         stats = pool.stats()
+        pre = runs[-1][0]
         preamble_states = [p for p in pool.tree.checkpoints_on("default", pre) if p <= len(pre)]
         async with http.get(base + "/v1/memory") as r:
             memory = (await r.json())["executors"][0]
         served_dtype = str(stack.actors["executor"].engine.runner.dtype).removeprefix("torch.")
-    computed = sum(o["meta_info"]["prompt_tokens"] - o["meta_info"]["cached_tokens"] for o in outs)
+    # per workload (the runs differ only in their token ids)
+    computed = sum(o["meta_info"]["prompt_tokens"] - o["meta_info"]["cached_tokens"] for o in outs) // len(runs)
     spec = ModelSpec.from_dir(model)
     flops = sum(request_flops(spec, o["meta_info"]["prompt_tokens"], o["meta_info"]["cached_tokens"],
-                              o["meta_info"]["completion_tokens"]) for o in outs)
+                              o["meta_info"]["completion_tokens"]) for o in outs) / len(runs)
     out = {"prefill_tokens_computed": computed, "peak_kv_pages": peak, "page_size": page_size,
-           "wall_s": round(t.s, 3), "gflops": round(flops / 1e9, 2), "dtype": served_dtype,
-           "outputs": [o["output_ids"] for o in outs]}
+           "wall_s": round(statistics.median(walls), 3), "wall_s_runs": [round(w, 3) for w in walls],
+           "gflops": round(flops / 1e9, 2), "dtype": served_dtype, "outputs": [o["output_ids"] for o in outs]}
     if pool.hybrid:
         out |= {"state_slots_holding_the_preamble": len(preamble_states), "preamble_checkpoints_at": preamble_states,
                 **{k: stats[k] for k in ("state_checkpoints_total", "state_restores_total",
@@ -80,9 +89,10 @@ async def _side(model: str, pre, sufs, out_tokens: int, cache: bool, first_alone
     return out
 
 
-async def _peer(url: str, pre, sufs, out_tokens: int, first_alone: bool) -> dict:
-    """The same workload on another OpenAI-compatible server (/v1/completions with token-id
-    prompts): wall time, and the prefix-cache hits it reports (usage.prompt_tokens_details)."""
+async def _peer(url: str, runs: list, out_tokens: int, first_alone: bool) -> dict:
+    """The same workloads on another OpenAI-compatible server (/v1/completions with token-id
+    prompts): wall time (the median over the runs), and the prefix-cache hits it reports
+    (usage.prompt_tokens_details)."""
     import aiohttp
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as http:
         async with http.get(url + "/v1/models") as r:
@@ -97,36 +107,44 @@ async def _peer(url: str, pre, sufs, out_tokens: int, first_alone: bool) -> dict
                 if r.status != 200:
                     raise RuntimeError(f"{url}/v1/completions {r.status}: {out}")
                 return out
-        await warm_up(lambda ids: complete(ids, 2), len(sufs))           # as on our side
-        with Timer() as t:
-            outs = []
-            rest = sufs
-            if first_alone:
-                outs.append(await complete(pre + sufs[0], out_tokens))
-                rest = sufs[1:]
-            outs += await asyncio.gather(*(complete(pre + s, out_tokens) for s in rest))
+        await warm_up(lambda ids: complete(ids, 2), len(runs[0][1]))           # as on our side
+        walls, outs = [], []
+        for pre, sufs in runs:
+            with Timer() as t:
+                rest = sufs
+                if first_alone:
+                    outs.append(await complete(pre + sufs[0], out_tokens))
+                    rest = sufs[1:]
+                outs += await asyncio.gather(*(complete(pre + s, out_tokens) for s in rest))
+            walls.append(t.s)
     prompt = sum(o["usage"]["prompt_tokens"] for o in outs)
     cached = sum((o["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for o in outs)
-    return {"url": url, "wall_s": round(t.s, 3), "prefill_tokens_computed": prompt - cached,
+    return {"url": url, "wall_s": round(statistics.median(walls), 3), "wall_s_runs": [round(w, 3) for w in walls],
+            "prefill_tokens_computed": (prompt - cached) // len(runs),
             "prefix_hit_rate": round(cached / prompt, 4) if prompt else 0.0}
 
 
 def run_shared_prefix(model: str, preamble: int, suffix: int, n: int, out_tokens: int, first_alone: bool,
-                      against: str | None = None, dtype: str = "auto") -> dict:
+                      against: str | None = None, dtype: str = "auto", repeats: int = 3) -> dict:
+    """Each side runs the workload `repeats` times, each time with other token ids (a cold cache:
+    preamble computed once per run), and reports the median wall time: on a loaded 2-core machine
+    one run's wall time moves by 10-40% (another process's wakeups, such as an idle peer server's
+    polling threads, slow the service path)."""
     import json
     import os
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
-    pre, sufs = workload(preamble, suffix, n, vocab)
-    on = asyncio.run(_side(model, pre, sufs, out_tokens, True, first_alone, dtype))
-    off = asyncio.run(_side(model, pre, sufs, out_tokens, False, first_alone, dtype))
+    runs = [workload(preamble, suffix, n, vocab, seed=7 + r) for r in range(max(repeats, 1))]
+    on = asyncio.run(_side(model, runs, out_tokens, True, first_alone, dtype))
+    off = asyncio.run(_side(model, runs, out_tokens, False, first_alone, dtype))
     # the compute floor: the FLOPs of what a side computed, at the GEMM peak of the dtype it served
     # in, measured now (bf16 matmuls run ~4x faster where the CPU has AMX, and so the floor is lower)
     peak = measure_peak(model, on["dtype"])
     for side in (on, off):
         side["floor_s"] = round(side["gflops"] * 1e9 / peak, 3)
         side["wall_over_floor"] = round(side["wall_s"] / side["floor_s"], 2)
-    peer = asyncio.run(_peer(against.rstrip("/"), pre, sufs, out_tokens, first_alone)) if against else None
-    same = sum(a == b for a, b in zip(on.pop("outputs"), off.pop("outputs")))
+    peer = asyncio.run(_peer(against.rstrip("/"), runs, out_tokens, first_alone)) if against else None
+    outs_on, outs_off = on.pop("outputs"), off.pop("outputs")
+    same = sum(a == b for a, b in zip(outs_on, outs_off))
     token_ratio = off["prefill_tokens_computed"] / max(on["prefill_tokens_computed"], 1)
     wall_ratio = off["wall_s"] / max(on["wall_s"], 1e-9)
     if peer is not None:
@@ -134,7 +152,7 @@ def run_shared_prefix(model: str, preamble: int, suffix: int, n: int, out_tokens
         on["prefix_hit_rate"] = round(1 - on["prefill_tokens_computed"] / prompt, 4)
         peer["radixflow_wall_over_peer"] = round(on["wall_s"] / peer["wall_s"], 3)
     out = {"model": model, "workload": {"preamble": preamble, "suffix": suffix, "requests": n,
-                                         "output_tokens": out_tokens, "first_alone": first_alone},
+                                         "output_tokens": out_tokens, "first_alone": first_alone, "runs": len(runs)},
             "dtype": on["dtype"], "gemm_peak_gflops": round(peak / 1e9, 1), "cache_on": on, "cache_off": off,
             "prefill_token_ratio": round(token_ratio, 2), "peak_pages_ratio": round(off["peak_kv_pages"] / max(on["peak_kv_pages"], 1), 2),
             "wall_speedup": round(wall_ratio, 2), "wall_speedup_over_token_ratio": round(wall_ratio / token_ratio, 3),
@@ -143,7 +161,7 @@ def run_shared_prefix(model: str, preamble: int, suffix: int, n: int, out_tokens
             # speedup at equal efficiency) fall short of the token ratio
             "prefill_flop_ratio": round(off["gflops"] / max(on["gflops"], 1e-9), 2),
             "wall_speedup_over_flop_ratio": round(wall_ratio * on["gflops"] / max(off["gflops"], 1e-9), 3),
-            "greedy_outputs_identical": f"{same}/{n}",
+            "greedy_outputs_identical": f"{same}/{len(outs_on)}",
             # a hybrid group may pay for its branching point once (the issues' bounds, before page rounding)
             "bound_prefill_tokens": (2 if "state_slots_used" in on else 1) * preamble + n * suffix}
     if peer is not None:

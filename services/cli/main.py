@@ -255,7 +255,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     elif a.which == "shared-prefix":
         from radixflow.services.bench.shared_prefix import run_shared_prefix
         out = run_shared_prefix(model, a.preamble, a.suffix, a.requests, a.output_tokens, a.first_alone, a.against,
-                                dtype=a.dtype)
+                                dtype=a.dtype, repeats=a.repeats or 3)
     else:
         print(f"unknown benchmark {a.which!r}", file=sys.stderr)
         return 2
