@@ -154,3 +154,30 @@ def test_shared_prefixes_respect_limits_and_minimum():
     assert shared_prefixes([base[:2] + [3], base[:2] + [4]], [24, 24], PAGE, torch.device("cpu")) == []  # < 64 tokens
     assert groups[0].start == 1 * PAGE                                   # pages 1..9: contiguous, read as a view
     assert shared_prefixes([[5, 9] + base, [5, 9] + base], [96, 96], PAGE, torch.device("cpu"))[0].start == -1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flash_own_parts_match_their_references(dtype):
+    """The CPU flash-op forms of the own-part attentions (decode: one query per row over its own
+    keys; prefill: several short causal sequences in one padded batch) equal the einsum
+    references: fp32 to rounding, bf16 within bf16 rounding of the output."""
+    from radixflow.kernels.attention.cascade import _attend_padded, _attend_padded_flash, _own_flash, _own_ref
+    g = torch.Generator().manual_seed(11)
+    kc, vc = (torch.randn(64 * PAGE, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    # decode: rows of 1..40 own keys, padded to 40
+    lens = torch.tensor([1, 17, 40, 33, 8])
+    table = torch.randint(0, 64 * PAGE, (5, 40), generator=g)
+    valid = torch.arange(40)[None, :] < lens[:, None]
+    q = torch.randn(5, Hq, D, generator=g).to(dtype)
+    k, v = kc[table], vc[table]
+    for got, want in zip(_own_flash(q, k, v, valid, D ** -0.5), _own_ref(q, k, v, valid, D ** -0.5)):
+        torch.testing.assert_close(got, want, **tol)
+    # prefill: sequences of 3..12 new tokens after 0..20 earlier own keys
+    news, offs = [3, 12, 7, 1], [0, 20, 5, 9]
+    qs = [torch.randn(n, Hq, D, generator=g).to(dtype) for n in news]
+    slots = [torch.randint(0, 64 * PAGE, (n + o,), generator=g) for n, o in zip(news, offs)]
+    (o1, l1), (o2, l2) = (f(qs, slots, offs, kc, vc, D ** -0.5) for f in (_attend_padded_flash, _attend_padded))
+    for j, n in enumerate(news):        # padded query rows are never read
+        torch.testing.assert_close(o1[j, :n], o2[j, :n], **tol)
+        torch.testing.assert_close(l1[j, :n], l2[j, :n], **tol)
