@@ -157,11 +157,11 @@ def test_shared_prefixes_respect_limits_and_minimum():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_flash_own_parts_match_their_references(dtype):
-    """The CPU flash-op forms of the own-part attentions (decode: one query per row over its own
-    keys; prefill: several short causal sequences in one padded batch) equal the einsum
-    references: fp32 to rounding, bf16 within bf16 rounding of the output."""
-    from radixflow.kernels.attention.cascade import _attend_padded, _attend_padded_flash, _own_flash, _own_ref
+def test_flash_own_parts_match_their_references(dtype, monkeypatch):
+    """The CPU flash-op form of the own-part attention (_padded_flash) equals the einsum reference
+    (_padded_ref), for decode (one query per row over its own keys) and for prefill (several short
+    causal sequences in one padded batch): fp32 to rounding, bf16 within bf16 rounding."""
+    import radixflow.kernels.attention.cascade as C
     g = torch.Generator().manual_seed(11)
     kc, vc = (torch.randn(64 * PAGE, Hkv, D, generator=g).to(dtype) for _ in range(2))
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
@@ -169,15 +169,17 @@ def test_flash_own_parts_match_their_references(dtype):
     lens = torch.tensor([1, 17, 40, 33, 8])
     table = torch.randint(0, 64 * PAGE, (5, 40), generator=g)
     valid = torch.arange(40)[None, :] < lens[:, None]
-    q = torch.randn(5, Hq, D, generator=g).to(dtype)
+    q = torch.randn(5, 1, Hq, D, generator=g).to(dtype)
     k, v = kc[table], vc[table]
-    for got, want in zip(_own_flash(q, k, v, valid, D ** -0.5), _own_ref(q, k, v, valid, D ** -0.5)):
+    for got, want in zip(C._padded_flash(q, k, v, valid[:, None], D ** -0.5), C._padded_ref(q, k, v, valid[:, None], D ** -0.5)):
         torch.testing.assert_close(got, want, **tol)
     # prefill: sequences of 3..12 new tokens after 0..20 earlier own keys
     news, offs = [3, 12, 7, 1], [0, 20, 5, 9]
     qs = [torch.randn(n, Hq, D, generator=g).to(dtype) for n in news]
     slots = [torch.randint(0, 64 * PAGE, (n + o,), generator=g) for n, o in zip(news, offs)]
-    (o1, l1), (o2, l2) = (f(qs, slots, offs, kc, vc, D ** -0.5) for f in (_attend_padded_flash, _attend_padded))
+    o1, l1 = C._attend_padded(qs, slots, offs, kc, vc, D ** -0.5)          # the flash op on a CPU
+    monkeypatch.setattr(C, "_padded_flash", C._padded_ref)
+    o2, l2 = C._attend_padded(qs, slots, offs, kc, vc, D ** -0.5)
     for j, n in enumerate(news):        # padded query rows are never read
         torch.testing.assert_close(o1[j, :n], o2[j, :n], **tol)
         torch.testing.assert_close(l1[j, :n], l2[j, :n], **tol)

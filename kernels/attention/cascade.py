@@ -115,8 +115,7 @@ def cascade_prefill(q, k_cache, v_cache, bounds: list[tuple[int, int]], seq_slot
         rows = torch.cat([torch.arange(*bounds[i], device=dev) for i in grouped])
         E, L = max(len(x) for x in own_q), max(len(x) for x in own_k)
         if len(grouped) * E * L <= PADDED_LIMIT:
-            padded = _attend_padded_flash if dev.type == "cpu" else _attend_padded
-            o, lse = padded(own_q, own_k, q_off, k_cache, v_cache, scale)
+            o, lse = _attend_padded(own_q, own_k, q_off, k_cache, v_cache, scale)
             flat = torch.cat([torch.arange(len(x), device=dev) + j * E for j, x in enumerate(own_q)])
             o, lse = o.flatten(0, 1)[flat], lse.flatten(0, 1)[flat]
         else:
@@ -139,77 +138,48 @@ def _attend_padded(qs: list[torch.Tensor], slots: list[torch.Tensor], q_off: lis
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of several short sequences in one padded batch: sequence j's query t has
     position q_off[j] + t among its keys `slots[j]`. Returns o [N, Emax, Hq, D], lse [N, Emax, Hq]."""
-    N, Hq, D = len(qs), qs[0].shape[1], qs[0].shape[2]
-    Hkv = k_cache.shape[1]
-    G = Hq // Hkv
-    q = torch.nn.utils.rnn.pad_sequence(qs, batch_first=True).float()                  # [N, E, Hq, D]
+    q = torch.nn.utils.rnn.pad_sequence(qs, batch_first=True)                          # [N, E, Hq, D]
     idx = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True)                      # [N, L] (pad: slot 0)
-    k, v = gather_rows(k_cache, idx).float(), gather_rows(v_cache, idx).float()              # [N, L, Hkv, D]
-    E, L = q.shape[1], idx.shape[1]
-    lens = torch.tensor([len(x) for x in slots], device=q.device)
-    pos = torch.tensor(q_off, device=q.device)[:, None] + torch.arange(E, device=q.device)[None, :]   # [N, E]
-    keys = torch.arange(L, device=q.device)
+    E, L, dev = q.shape[1], idx.shape[1], q.device
+    lens = torch.tensor([len(x) for x in slots], device=dev)
+    pos = torch.tensor(q_off, device=dev)[:, None] + torch.arange(E, device=dev)[None, :]   # [N, E]
+    keys = torch.arange(L, device=dev)
     visible = (keys[None, None, :] <= pos[:, :, None]) & (keys[None, None, :] < lens[:, None, None])  # [N, E, L]
-    s = torch.einsum("nehgd,nlhd->nhgel", q.reshape(N, E, Hkv, G, D), k) * scale          # [N, Hkv, G, E, L]
+    return _padded(q, gather_rows(k_cache, idx), gather_rows(v_cache, idx), visible, scale)
+
+
+def _padded(q, k, v, visible, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, E, Hq, D] over k/v [N, L, Hkv, D] where visible [N, E, L]; every query sees a key.
+    Returns o [N, E, Hq, D] fp32 and lse [N, E, Hq]. On a CPU by the flash-attention op (one batch
+    entry per sequence, the query heads of a kv head folded into its query rows, in the serving
+    dtype): at 40 sequences x 126 keys it is tens of times faster than the einsums, which every
+    layer of a shared-prefix batch's decode steps and prefills pays."""
+    return (_padded_flash if q.device.type == "cpu" else _padded_ref)(q, k, v, visible, scale)
+
+
+def _padded_ref(q, k, v, visible, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    N, E, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    s = torch.einsum("nehgd,nlhd->nhgel", q.float().reshape(N, E, Hkv, G, D), k.float()) * scale   # [N, Hkv, G, E, L]
     s = s.masked_fill(~visible[:, None, None], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)                                                    # [N, Hkv, G, E]
-    o = torch.einsum("nhgel,nlhd->nehgd", torch.exp(s - lse[..., None]), v)             # [N, E, Hkv, G, D]
+    o = torch.einsum("nhgel,nlhd->nehgd", torch.exp(s - lse[..., None]), v.float())     # [N, E, Hkv, G, D]
     return o.reshape(N, E, Hq, D), lse.permute(0, 3, 1, 2).reshape(N, E, Hq)
 
 
-def _attend_padded_flash(qs: list[torch.Tensor], slots: list[torch.Tensor], q_off: list[int], k_cache, v_cache,
-                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """_attend_padded by the CPU flash-attention op (one batch entry per sequence, the query heads
-    of a kv head folded into its query rows), in the serving dtype: 39 sequences x 108 tokens take
-    a few ms against tens for the einsums."""
-    N, Hq, D = len(qs), qs[0].shape[1], qs[0].shape[2]
-    Hkv = k_cache.shape[1]
+def _padded_flash(q, k, v, visible, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    N, E, Hq, D = q.shape
+    L, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    dt = qs[0].dtype
-    q = torch.nn.utils.rnn.pad_sequence(qs, batch_first=True)                          # [N, E, Hq, D]
-    E = q.shape[1]
+    dt = q.dtype
     qf = q.reshape(N, E, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(N, Hkv, G * E, D)   # rows: g-major
-    idx = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True)                      # [N, L] (pad: slot 0)
-    L = idx.shape[1]
-    k = gather_rows(k_cache, idx).to(dt).transpose(1, 2)                               # [N, Hkv, L, D]
-    v = gather_rows(v_cache, idx).to(dt).transpose(1, 2)
-    lens = torch.tensor([len(x) for x in slots], device=q.device)
-    pos = torch.tensor(q_off, device=q.device)[:, None] + torch.arange(E, device=q.device)[None, :]   # [N, E]
-    keys = torch.arange(L, device=q.device)
-    visible = (keys[None, None, :] <= pos[:, :, None]) & (keys[None, None, :] < lens[:, None, None])  # [N, E, L]
     mask = torch.zeros(visible.shape, dtype=dt, device=q.device).masked_fill_(~visible, float("-inf"))
     mask = mask[:, None].expand(N, G, E, L).reshape(N, 1, G * E, L)
-    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qf, k, v, 0.0, False, attn_mask=mask,
-                                                                        scale=scale)
-    o = o.float().reshape(N, Hkv, G, E, D).permute(0, 3, 1, 2, 4).reshape(N, E, Hq, D)
-    return o, lse.reshape(N, Hkv, G, E).permute(0, 3, 1, 2).reshape(N, E, Hq)
-
-
-def _own_ref(q, k, v, valid, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query token per row over its own keys: q [n, Hq, D], k/v [n, L, Hkv, D], valid [n, L]
-    (row i's first keys). Returns o [n, Hq, D] fp32 and lse [n, Hq]."""
-    n, Hq, D = q.shape
-    Hkv = k.shape[2]
-    qf = q.float().reshape(n, Hkv, Hq // Hkv, D)
-    s = torch.einsum("nhgd,nlhd->nhgl", qf, k.float()) * scale               # [n, Hkv, G, L]
-    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)                                          # [n, Hkv, G]
-    o = torch.einsum("nhgl,nlhd->nhgd", torch.exp(s - lse[..., None]), v.float())
-    return o.reshape(n, Hq, D), lse.reshape(n, Hq)
-
-
-def _own_flash(q, k, v, valid, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """_own_ref by the CPU flash-attention op, each row a batch entry whose query heads of one kv
-    head are its query rows: ~50x faster than the einsums at 40 rows x 126 keys (0.17 vs 9 ms),
-    which every layer of every decode step of a shared-prefix batch pays."""
-    n, Hq, D = q.shape
-    Hkv = k.shape[2]
-    dt = q.dtype
-    qf = q.reshape(n, Hkv, Hq // Hkv, D)
-    mask = torch.zeros(valid.shape, dtype=dt, device=q.device).masked_fill_(~valid, float("-inf"))[:, None, None, :]
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         qf, k.to(dt).transpose(1, 2), v.to(dt).transpose(1, 2), 0.0, False, attn_mask=mask, scale=scale)
-    return o.float().reshape(n, Hq, D), lse.reshape(n, Hq)
+    o = o.float().reshape(N, Hkv, G, E, D).permute(0, 3, 1, 2, 4).reshape(N, E, Hq, D)
+    return o, lse.reshape(N, Hkv, G, E).permute(0, 3, 1, 2).reshape(N, E, Hq)
 
 
 def cascade_decode(q, k_cache, v_cache, own_table: torch.Tensor, own_lens: torch.Tensor,
@@ -231,8 +201,9 @@ def cascade_decode(q, k_cache, v_cache, own_table: torch.Tensor, own_lens: torch
         L = max(lens[i] for i in short)
         idx = own_table[rows, :L].clamp(min=0)
         valid = torch.arange(L, device=q.device)[None, :] < own_lens[rows][:, None]   # [n, L]
-        attend = _own_flash if q.device.type == "cpu" else _own_ref
-        o[rows], lse[rows] = attend(q[rows], gather_rows(k_cache, idx), gather_rows(v_cache, idx), valid, scale)
+        o_own, lse_own = _padded(q[rows][:, None], gather_rows(k_cache, idx), gather_rows(v_cache, idx),
+                                 valid[:, None], scale)                        # one query per sequence
+        o[rows], lse[rows] = o_own[:, 0], lse_own[:, 0]
     for i in long:
         slots = own_table[i, :lens[i]]
         o[i:i + 1], lse[i:i + 1] = attend_lse(q[i:i + 1], gather_rows(k_cache, slots), gather_rows(v_cache, slots), scale)

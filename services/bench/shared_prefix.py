@@ -48,19 +48,17 @@ async def _side(model: str, runs: list, out_tokens: int, cache: bool, first_alon
         # the event loop every few ms and slow the workload it measures
         for p in radix.pools.values():
             p.peak_used = p.num_pages - p.free_pages
-        walls, outs, last = [], [], []
+        walls, outs = [], []
         for pre, sufs in runs:
             body = lambda s: {"input_ids": pre + s, "sampling_params": {"max_new_tokens": out_tokens, "temperature": 0,
                                                                          "ignore_eos": True}}
             with Timer() as t:
-                last = []
                 rest = sufs
                 if first_alone:
-                    last.append(await generate(http, base, body(sufs[0])))
+                    outs.append(await generate(http, base, body(sufs[0])))
                     rest = sufs[1:]
-                last += await asyncio.gather(*(generate(http, base, body(s)) for s in rest))
+                outs += await asyncio.gather(*(generate(http, base, body(s)) for s in rest))
             walls.append(t.s)
-            outs += last
         peak = max(p.peak_used for p in radix.pools.values())
         page_size = stack.cfg.executor.page_size
         pool = next(iter(radix.pools.values()))
