@@ -245,6 +245,50 @@ def test_certain_draft_tokens_are_those_the_grammar_alone_allows(models):
     assert any(s.certain for s in seqs)
 
 
+def test_tokenizer_spelling_marks_certain_without_a_mask_where_the_spelling_forces(models):
+    """mark_certain under forced_spelling "tokenizer": a draft token that the spelling at its
+    position starts with is certain without a mask fill; the counts are those of the
+    constrainer's own (narrowed) masks, checked here position by position."""
+    from types import SimpleNamespace
+
+    from radixflow.services.executor.constrain import Constrainer, allows, single_allowed
+    from radixflow.services.executor.verify import DraftVerify
+    model = models["tiny-dense"]
+    ready, _, _, without, *_ = made(model)
+    speller = Speller(model)
+    d = Drafter(speller, max_draft=8)
+    g = Compiled(ready["xgrammar"], SCHEMAS[1])
+    prefixes = ['[{"', '[{"identifier": "constant', '[{"identifier": "constant-value-here", "fl',
+                '[{"identifier": "constant-value-here", "flag": true}, {"']
+    seqs = drafting_after(d, g, prefixes)
+    assert all(s.draft for s in seqs)
+    con = Constrainer(without.runner.spec.vocab_size, 8, speller)
+    filled = []
+    backend = seqs[0].matcher.backend
+    fill = backend.fill
+    backend.fill = lambda ms, bm, rs: (filled.append(len(ms)), fill(ms, bm, rs))
+    try:
+        DraftVerify.mark_certain(SimpleNamespace(constrainer=con, _plain=DraftVerify._plain), seqs)
+    finally:
+        backend.fill = fill
+    checked = spelled = 0
+    for s in seqs:
+        want, last = 0, s.tokens[-1]
+        for t in s.draft:
+            checked += 1
+            spelled += speller.forced(last, s.matcher) == t
+            con.fill([0], [s.matcher], 1, [last])
+            if not (bool(single_allowed(con.bitmask, 1)[0]) and allows(con.bitmask, 0, t)):
+                break
+            want += 1
+            s.matcher.accept_token(t)
+            last = t
+        s.matcher.rollback(want)
+        assert s.certain == want, (s.rid, speller.tok.decode(s.draft), s.certain, want)
+    assert any(s.certain for s in seqs) and spelled > 0
+    assert sum(filled) <= checked - spelled
+
+
 def test_mark_certain_masks_are_reused_only_for_unchanged_matchers(models):
     """mark_certain keeps the masks it filled at depth 0 (the state the next step starts from):
     the next fill(reuse=True) copies them, bit for bit what the grammar gives; a matcher that was

@@ -329,13 +329,16 @@ def test_write_kv_and_low_precision_pool():
 # ------------------------------------------------------------ jump-forward steps: rows by depth
 
 # counts[d]: how many sequences (the first ones) have a row at depth d; rows are depth-major
-DEPTHS = [[3], [3, 3, 3], [4, 2, 1], [5, 5, 2, 2, 1]]
+DEPTHS = [[3], [3, 3, 3], [4, 2, 1], [5, 5, 2, 2, 1], [4, 4, 4, 3, 3, 2, 2, 1, 1]]
 
 
 @pytest.mark.parametrize("counts", DEPTHS)
-def test_gdr_decode_depths_equals_depth_by_depth(counts):
+@pytest.mark.parametrize("decay", [1.0, 30.0])
+def test_gdr_decode_depths_equals_depth_by_depth(counts, decay):
+    # all depths at once (the chunked form) against a decode step per depth; a strong decay too,
+    # whose cumulative log decays would overflow the form's exp(G_i - G_j) above the diagonal
     T, N = sum(counts), counts[0]
-    q, k, v, g, beta, _ = gdr_inputs(1, T, 2, 4, 32, 48, seed=11)
+    q, k, v, g, beta, _ = gdr_inputs(1, T, 2, 4, 32, 48, seed=11, decay_scale=decay)
     q, k, v, g, beta = q[0], k[0], v[0], g[0], beta[0]
     h0 = torch.randn(N, 4, 32, 48)
     ref_state, ref_o, ref_saved, s = h0.clone(), [], [], 0
@@ -365,6 +368,8 @@ def test_gdr_decode_depths_equals_depth_by_depth(counts):
         others[slots] = False
         assert torch.equal(pool[others], untouched[others])
         assert len(saved) == (len(ref_saved) if keep else 0)
+        for a, b in zip(saved, ref_saved):
+            close(a, b)
 
 
 @pytest.mark.parametrize("counts", DEPTHS)
