@@ -1,8 +1,11 @@
 """Which implementation of each op the executor runs: the pure-torch references (always there) or
 the Triton kernels beside them, chosen once per model runner.
 
-    auto    the kernels on a CUDA device, the references elsewhere (a CPU has no Triton backend)
+    auto    the Triton kernels on a CUDA device, the CPU kernels on a CPU (a CPU has no Triton backend)
     torch   the references everywhere
+    cpu     the references, but the DeltaNet decode ops (the recurrent rule and the conv update, a
+            token's and a jump-forward step's) by C++ kernels compiled on the machine (cpu_ext.py),
+            in place in the state pool; the references serve until the build is done, or if it fails
     triton  the kernels everywhere; on a CPU only under TRITON_INTERPRET=1 (Triton's interpreter,
             which is how the parity tests and CI run them without a GPU)
 
@@ -17,9 +20,9 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Kernels", "CHOICES", "interpreting", "pick", "reference", "triton_kernels"]
+__all__ = ["Kernels", "CHOICES", "cpu_kernels", "interpreting", "pick", "reference", "triton_kernels"]
 
-CHOICES = ("auto", "torch", "triton")
+CHOICES = ("auto", "torch", "cpu", "triton")
 
 
 def interpreting() -> bool:
@@ -30,7 +33,7 @@ def interpreting() -> bool:
 
 @dataclass(frozen=True)
 class Kernels:
-    name: str                                  # "torch" | "triton"
+    name: str                                  # "torch" | "cpu" | "triton"
     write_kv: Callable                         # attention.naive.write_kv
     decode_attention: Callable                 # attention.naive.decode_attention
     extend_attention: Callable                 # attention.naive.extend_attention
@@ -56,6 +59,20 @@ def reference() -> Kernels:
                    causal_conv1d_update_slots, causal_conv1d_prefill_slots, causal_conv1d_update_depths_slots)
 
 
+def cpu_kernels() -> Kernels:
+    import dataclasses
+
+    from . import cpu_ext
+    from .causal_conv1d import cpu as conv
+    from .gated_delta_rule import cpu as gdr
+    cpu_ext.start()
+    return dataclasses.replace(reference(), name="cpu",
+                               gated_delta_rule_decode_slots=gdr.gated_delta_rule_decode_slots,
+                               gated_delta_rule_decode_depths_slots=gdr.gated_delta_rule_decode_depths_slots,
+                               causal_conv1d_update_slots=conv.causal_conv1d_update_slots,
+                               causal_conv1d_update_depths_slots=conv.causal_conv1d_update_depths_slots)
+
+
 def triton_kernels() -> Kernels:
     from .attention.triton_decode import decode_attention
     from .attention.triton_extend import cascade_decode, cascade_prefill, extend_attention
@@ -75,9 +92,13 @@ def pick(device: torch.device, choice: str = "auto") -> Kernels:
     if choice not in CHOICES:
         raise ValueError(f"kernels must be one of {', '.join(CHOICES)}, not {choice!r}")
     if choice == "auto":
-        choice = "triton" if device.type == "cuda" else "torch"
+        choice = "triton" if device.type == "cuda" else "cpu" if device.type == "cpu" else "torch"
     if choice == "torch":
         return reference()
+    if choice == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"the CPU kernels run on a CPU (this runner is on {device.type})")
+        return cpu_kernels()
     if device.type != "cuda" and not interpreting():
         raise ValueError(f"Triton kernels need a CUDA device (this runner is on {device.type}); "
                          "on a CPU they run only under TRITON_INTERPRET=1, for testing")

@@ -2,6 +2,8 @@
 torch references batch sequences of similar lengths into one right-padded call; these say how."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # sequences share one padded call while the padding stays under this share of their tokens (else
@@ -37,3 +39,21 @@ def depth_layout(counts: list[int], dev) -> tuple[torch.Tensor, torch.Tensor]:
     offsets = torch.tensor([0] + counts[:-1], device=dev).cumsum(0).to(torch.int32)
     depths = torch.tensor([sum(1 for c in counts if c > i) for i in range(counts[0])], dtype=torch.int32, device=dev)
     return offsets, depths
+
+
+@functools.lru_cache(maxsize=512)
+def depth_rows(counts: tuple[int, ...], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """For the CPU depth kernels (rows depth-major, as in depth_layout): each depth's first row [D],
+    each sequence's number of depths [N], int64; where the state of sequence i after depth d goes
+    among the kept ones ([D]: row soff[d] + i, for i < counts[d+1]) and how many are kept. The same
+    few draft shapes recur step after step and every DeltaNet layer asks, so they are built once
+    per shape (read-only)."""
+    offsets, soff, s, k = [], [], 0, 0
+    for d, n in enumerate(counts):
+        offsets.append(s)
+        soff.append(k)
+        s += n
+        k += counts[d + 1] if d + 1 < len(counts) else 0
+    lens = [sum(1 for c in counts if c > i) for i in range(counts[0])]
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)      # noqa: E731
+    return t(offsets), t(lens), t(soff), k

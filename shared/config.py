@@ -31,7 +31,7 @@ class ExecutorConfig:
     instance: str = ""                # empty: derived from host and pid
     device: str = "auto"              # auto | cpu | cuda | cuda:N
     dtype: str = "auto"               # auto | float32 | bfloat16 (auto: bf16 on a GPU, fp32 on a CPU)
-    kernels: str = "auto"             # auto | torch | triton (auto: the Triton kernels on a GPU, torch references elsewhere)
+    kernels: str = "auto"             # auto | torch | cpu | triton (auto: the Triton kernels on a GPU, the CPU ones on a CPU)
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192    # token budget of one prefill step
     mixed_chunk_tokens: int = 2048    # a prefill step that carries decode rows: tokens in all (0: never mixed)

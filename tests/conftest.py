@@ -14,6 +14,14 @@ if os.environ.get("RADIXFLOW_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_sessionstart(session):
+    # the C++ CPU kernels (kernels/cpu_ext.py) are built (or loaded) before any test, so that every
+    # engine of the session runs the same kernels: one would otherwise switch from the torch
+    # references to them mid-test, when a background build lands
+    from radixflow.kernels import cpu_ext
+    cpu_ext.wait(900)
+
+
 @pytest.fixture(scope="session")
 def nats_server():
     with NatsServer() as srv:

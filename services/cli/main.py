@@ -40,8 +40,8 @@ def _serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16"),
                    help="compute and KV dtype (default auto: bf16 on a GPU, fp32 on a CPU; bfloat16 on a CPU "
                         "with AMX is faster but can change greedy tokens at near-ties)")
-    p.add_argument("--kernels", default=None, choices=("auto", "torch", "triton"),
-                   help="decode kernels (default auto: Triton on a GPU, the torch references elsewhere)")
+    p.add_argument("--kernels", default=None, choices=("auto", "torch", "cpu", "triton"),
+                   help="decode kernels (default auto: Triton on a GPU, the C++ CPU kernels on a CPU)")
     p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     p.add_argument("--mem-fraction", type=float, default=None,
@@ -201,6 +201,8 @@ def _human(key: str, v) -> str:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
+    from radixflow.kernels import cpu_ext
+    cpu_ext.wait()          # the CPU kernels are built before anything is timed (a no-op once they are)
     import json
     from radixflow.services.bench.common import resolve_model
     model = resolve_model(a.model or ("tiny-dense" if a.which in ("shared-prefix", "scaling", "routing") else "tiny-hybrid")) \

@@ -12,8 +12,8 @@ class EngineConfig:
     # compute and KV dtype: float32 | bfloat16 | auto (runner.pick_dtype: bf16 on a GPU, fp32 on a
     # CPU). The plain class defaults to fp32, the exact reference path; the service's default is auto
     dtype: str = "float32"
-    # paged-attention and DeltaNet decode kernels: auto | torch | triton (kernels.dispatch: Triton on
-    # CUDA, the torch references elsewhere)
+    # paged-attention and DeltaNet decode kernels: auto | torch | cpu | triton (kernels.dispatch:
+    # Triton on CUDA, the C++ DeltaNet decode kernels on a CPU)
     kernels: str = "auto"
     page_size: int = 16
     max_total_tokens: int = 0        # 0: auto (from mem_fraction when set, else 2 x max_model_len, >= 131072)

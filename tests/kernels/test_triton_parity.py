@@ -306,7 +306,8 @@ def test_conv_prefill_matches_reference(seqs):
 
 def test_dispatch_choice(monkeypatch):
     monkeypatch.delenv("RADIXFLOW_KERNELS", raising=False)
-    assert pick(torch.device("cpu"), "auto").name == "torch"
+    assert pick(torch.device("cpu"), "auto").name == "cpu"
+    assert pick(torch.device("cpu"), "torch").name == "torch"
     if os.environ.get("TRITON_INTERPRET") == "1":                       # conftest, on a CPU
         assert pick(torch.device("cpu"), "triton").name == "triton"
     if DEV.type == "cuda":
@@ -314,7 +315,7 @@ def test_dispatch_choice(monkeypatch):
     monkeypatch.setenv("RADIXFLOW_KERNELS", "torch")
     assert pick(torch.device("cpu"), "triton").name == "torch"          # the environment overrides
     monkeypatch.setenv("RADIXFLOW_KERNELS", "fast")
-    with pytest.raises(ValueError, match="one of auto, torch, triton"):
+    with pytest.raises(ValueError, match="one of auto, torch, cpu, triton"):
         pick(torch.device("cpu"))
     monkeypatch.delenv("RADIXFLOW_KERNELS")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

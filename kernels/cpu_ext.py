@@ -1,0 +1,93 @@
+"""The CPU kernels (gated_delta_rule/cpu_decode.cpp, causal_conv1d/cpu_update.cpp): C++ compiled on
+the machine that runs them, the first time (torch's cpp_extension with g++ and ninja, ~1 min on 2
+cores; cached under ~/.cache/torch_extensions after that).
+
+The build runs in a background thread, started by the first `start()` (the model runner's, when it
+picks the CPU kernels): a server starts at once and runs the torch references until the build is
+done, then the compiled ones (cpu.py in each kernel's folder asks `get()` per call). Where there is
+no compiler, the build fails once, with a warning, and the references stay. RADIXFLOW_CPU_KERNELS=0
+turns the build off. Benchmarks and tests `wait()` for it.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import structlog
+
+_log = structlog.get_logger("radixflow.kernels")
+
+_HERE = Path(__file__).parent
+SOURCES = [_HERE / "gated_delta_rule" / "cpu_decode.cpp", _HERE / "causal_conv1d" / "cpu_update.cpp"]
+FUNCTIONS = ["gdr_decode_depths", "conv_update_depths"]
+
+_lock = threading.Lock()
+_done = threading.Event()
+_thread: threading.Thread | None = None
+_module = None
+
+
+def enabled() -> bool:
+    return os.environ.get("RADIXFLOW_CPU_KERNELS", "1") != "0"
+
+
+def _load():
+    from torch.utils.cpp_extension import load_inline
+    decls = ("void gdr_decode_depths(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, "
+             "const at::Tensor& g, const at::Tensor& beta, at::Tensor& pool, const at::Tensor& slots, "
+             "const at::Tensor& offsets, const at::Tensor& lens, at::Tensor& o, at::Tensor& saved, "
+             "const at::Tensor& soff);\n"
+             "void conv_update_depths(const at::Tensor& x, at::Tensor& pool, const at::Tensor& weight, "
+             "const at::Tensor& slots, const at::Tensor& offsets, const at::Tensor& lens, at::Tensor& y, "
+             "at::Tensor& saved, const at::Tensor& soff, bool silu);\n")
+    src = "\n".join(p.read_text() for p in SOURCES)
+    return load_inline("radixflow_cpu_kernels", cpp_sources=[src, decls], functions=FUNCTIONS,
+                       extra_cflags=["-O3", "-march=native"], verbose=False)
+
+
+def _build() -> None:
+    global _module
+    try:
+        # the compiler runs in a process of its own at the lowest priority, so that a server
+        # starting meanwhile (on 2 cores) is not slowed by it; then the build, cached, loads here
+        done = subprocess.run(["nice", "-n", "19", sys.executable, "-m", "radixflow.kernels.cpu_ext"],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError((done.stderr or done.stdout).strip()[-500:])
+        _module = _load()
+        _log.info("cpu kernels built")
+    except Exception as e:        # no compiler, no ninja: the torch references serve
+        _log.warning("cpu kernels unavailable, the torch references serve", error=f"{type(e).__name__}: {e}"[:500])
+    finally:
+        _done.set()
+
+
+def start() -> None:
+    """Build (or load the cached build) in the background, once per process."""
+    global _thread
+    if not enabled():
+        _done.set()
+        return
+    with _lock:
+        if _thread is None:
+            _thread = threading.Thread(target=_build, name="cpu-kernels-build", daemon=True)
+            _thread.start()
+
+
+def get():
+    """The compiled module, or None while it builds (or where it cannot)."""
+    return _module if _done.is_set() else None
+
+
+def wait(timeout: float | None = None):
+    """Start the build if needed and wait for it: the module, or None where it cannot be built."""
+    start()
+    _done.wait(timeout)
+    return get()
+
+
+if __name__ == "__main__":      # the build itself (start() runs it in a process of its own)
+    _load()

@@ -1,0 +1,55 @@
+"""The gated delta rule's decode ops by the CPU kernel (cpu_decode.cpp, built by kernels.cpu_ext),
+with the signatures of their torch references in naive.py, which serve until the kernel is built,
+and for what it does not take (a state pool that is not fp32 and contiguous)."""
+from __future__ import annotations
+
+import torch
+
+from .. import cpu_ext
+from ..packing import depth_rows
+from . import naive
+from .naive import _expand_heads, _group, _prepare_qk
+
+
+def gated_delta_rule_decode_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                  beta: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+                                  use_qk_l2norm: bool = True) -> torch.Tensor:
+    """naive.gated_delta_rule_decode_slots."""
+    ext = cpu_ext.get()
+    if ext is None or not _takes(pool):
+        return naive.gated_delta_rule_decode_slots(q, k, v, g, beta, pool, slots, use_qk_l2norm)
+    return _run(ext, q, k, v, g, beta, pool, slots, [q.shape[0]], use_qk_l2norm, keep=False)[0]
+
+
+def gated_delta_rule_decode_depths_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                         beta: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+                                         counts: list[int], use_qk_l2norm: bool = True,
+                                         keep: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """naive.gated_delta_rule_decode_depths_slots."""
+    ext = cpu_ext.get()
+    if ext is None or not _takes(pool):
+        return naive.gated_delta_rule_decode_depths_slots(q, k, v, g, beta, pool, slots, counts, use_qk_l2norm, keep)
+    return _run(ext, q, k, v, g, beta, pool, slots, counts, use_qk_l2norm, keep)
+
+
+def _takes(pool: torch.Tensor) -> bool:
+    return pool.device.type == "cpu" and pool.dtype == torch.float32 and pool.is_contiguous()
+
+
+def _run(ext, q, k, v, g, beta, pool, slots, counts, use_qk_l2norm, keep):
+    out_dtype = q.dtype
+    group = _group(k.shape[-2], v.shape[-2])
+    q, k = _prepare_qk(q, k, use_qk_l2norm)
+    q, k = _expand_heads(q, group).contiguous(), _expand_heads(k, group).contiguous()
+    v, g, beta = v.float().contiguous(), g.float().contiguous(), beta.float().contiguous()
+    offsets, lens, soff, kept = depth_rows(tuple(counts), pool.device)
+    o = torch.empty_like(v)
+    saved = pool.new_empty(kept if keep else 0, *pool.shape[1:])
+    ext.gdr_decode_depths(q, k, v, g, beta, pool, slots.contiguous(), offsets, lens, o, saved, soff)
+    parts = []
+    if keep:
+        s = 0
+        for n in counts[1:]:
+            parts.append(saved[s:s + n])
+            s += n
+    return o.to(out_dtype), parts

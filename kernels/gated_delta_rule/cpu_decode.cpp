@@ -1,0 +1,69 @@
+// Gated delta rule decode on the CPU, one pass per token over each state, in place in the pool.
+// The torch form (naive.py: gated_delta_rule_decode_slots / _depths_slots) gathers the states of a
+// step's sequences out of the pool, runs a handful of batched ops over them per token, and scatters
+// them back: at a decode batch every op re-reads the states, and a jump-forward step pays the ops
+// once per depth. Here each (sequence, head) state is read and written where it lives, twice per
+// token (decay and S^T k; then the write k delta^T and S^T q), with every depth of the sequence
+// in one task.
+//
+// q, k: [T, H, K] fp32, already L2-normalized (q also scaled) and expanded to the H value heads
+// v: [T, H, V] fp32;  g, beta: [T, H] fp32
+// pool: [P, H, K, V] fp32 contiguous, the states at `slots` ([N] int64) updated in place
+// rows depth-major: sequence n's row at depth d is offsets[d] + n, for d < lens[n]
+// o: [T, H, V] fp32, written
+// saved: [S, H, K, V] fp32 or empty: with rows, the state of sequence n after depth d goes to row
+//        soff[d] + n when the sequence has a depth after d (what undoing a rejected draft restores)
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+void gdr_decode_depths(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                       const at::Tensor& beta, at::Tensor& pool, const at::Tensor& slots, const at::Tensor& offsets,
+                       const at::Tensor& lens, at::Tensor& o, at::Tensor& saved, const at::Tensor& soff) {
+  const int64_t N = slots.size(0), H = q.size(1), K = q.size(2), V = v.size(2);
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  const int64_t *sl = slots.data_ptr<int64_t>(), *off = offsets.data_ptr<int64_t>(), *ln = lens.data_ptr<int64_t>();
+  const int64_t* so = soff.data_ptr<int64_t>();
+  float* pp = pool.data_ptr<float>();
+  float* op = o.data_ptr<float>();
+  float* sp = saved.numel() ? saved.data_ptr<float>() : nullptr;
+  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> kv(V), delta(V), acc(V);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / H, h = task % H;
+      float* S = pp + (sl[n] * H + h) * K * V;
+      for (int64_t d = 0; d < ln[n]; ++d) {
+        const int64_t r = (off[d] + n) * H + h;
+        const float *qr = qp + r * K, *kr = kp + r * K, *vr = vp + r * V;
+        const float decay = std::exp(gp[r]), b = bp[r];
+        std::fill(kv.begin(), kv.end(), 0.f);
+        for (int64_t i = 0; i < K; ++i) {          // S <- e^g S, and S^T k
+          float* Si = S + i * V;
+          const float ki = kr[i];
+          for (int64_t j = 0; j < V; ++j) {
+            Si[j] *= decay;
+            kv[j] += ki * Si[j];
+          }
+        }
+        for (int64_t j = 0; j < V; ++j) delta[j] = b * (vr[j] - kv[j]);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t i = 0; i < K; ++i) {          // S <- S + k delta^T, and o = S^T q
+          float* Si = S + i * V;
+          const float ki = kr[i], qi = qr[i];
+          for (int64_t j = 0; j < V; ++j) {
+            Si[j] += ki * delta[j];
+            acc[j] += qi * Si[j];
+          }
+        }
+        std::memcpy(op + r * V, acc.data(), V * sizeof(float));
+        if (sp != nullptr && d + 1 < ln[n])
+          std::memcpy(sp + ((so[d] + n) * H + h) * K * V, S, K * V * sizeof(float));
+      }
+    }
+  });
+}

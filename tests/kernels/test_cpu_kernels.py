@@ -1,0 +1,91 @@
+"""The C++ CPU kernels (kernels/cpu_ext.py) against their torch references: the DeltaNet decode
+ops of a decode step and of a jump-forward step (rows by depth), in place in a state pool."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixflow.kernels import cpu_ext
+from radixflow.kernels.causal_conv1d import cpu as conv_cpu
+from radixflow.kernels.causal_conv1d import naive as conv_ref
+from radixflow.kernels.gated_delta_rule import cpu as gdr_cpu
+from radixflow.kernels.gated_delta_rule import naive as gdr_ref
+
+DEPTHS = [[5], [3, 3, 3], [4, 2, 1], [6, 6, 2, 2, 1], [4, 4, 4, 3, 3, 2, 2, 1, 1]]
+
+
+@pytest.fixture(scope="module")
+def built():
+    if cpu_ext.wait(600) is None:
+        pytest.fail("the CPU kernels did not build (g++ and ninja are needed)")
+
+
+def inputs(T, Hk, Hv, K, V, seed):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)     # noqa: E731
+    return r(T, Hk, K), r(T, Hk, K), r(T, Hv, V), -torch.nn.functional.softplus(r(T, Hv)) * 2, r(T, Hv).sigmoid()
+
+
+@pytest.mark.parametrize("counts", DEPTHS)
+@pytest.mark.parametrize("keep", [True, False])
+def test_gated_delta_rule_depths_match_the_reference(built, counts, keep):
+    T, N = sum(counts), counts[0]
+    q, k, v, g, beta = inputs(T, 2, 4, 32, 48, seed=len(counts))
+    slots = torch.randperm(3 * N)[:N]
+    pool = torch.randn(3 * N, 4, 32, 48)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want, want_saved = gdr_ref.gated_delta_rule_decode_depths_slots(q, k, v, g, beta, want_pool, slots, counts, keep=keep)
+    got, got_saved = gdr_cpu.gated_delta_rule_decode_depths_slots(q, k, v, g, beta, got_pool, slots, counts, keep=keep)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got_pool, want_pool, atol=2e-5, rtol=2e-5)
+    assert len(got_saved) == len(want_saved)
+    for a, b in zip(got_saved, want_saved):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    others = torch.ones(3 * N, dtype=torch.bool)
+    others[slots] = False
+    assert torch.equal(got_pool[others], pool[others])       # no other state touched
+
+
+def test_gated_delta_rule_decode_matches_the_reference(built):
+    q, k, v, g, beta = inputs(7, 2, 4, 64, 64, seed=3)
+    slots = torch.tensor([9, 0, 4, 12, 2, 7, 5])
+    pool = torch.randn(13, 4, 64, 64)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want = gdr_ref.gated_delta_rule_decode_slots(q.bfloat16(), k.bfloat16(), v, g, beta, want_pool, slots)
+    got = gdr_cpu.gated_delta_rule_decode_slots(q.bfloat16(), k.bfloat16(), v, g, beta, got_pool, slots)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_pool, want_pool, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("counts", DEPTHS)
+@pytest.mark.parametrize("W", [2, 4])
+def test_conv_update_depths_match_the_reference(built, counts, W):
+    T, N, C = sum(counts), counts[0], 40
+    gen = torch.Generator().manual_seed(W)
+    x, weight = torch.randn(T, C, generator=gen), torch.randn(C, W, generator=gen)
+    slots = torch.randperm(2 * N)[:N]
+    pool = torch.randn(2 * N, C, W - 1, generator=gen)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want, want_saved = conv_ref.causal_conv1d_update_depths_slots(x, want_pool, weight, slots, counts)
+    got, got_saved = conv_cpu.causal_conv1d_update_depths_slots(x, got_pool, weight, slots, counts)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_pool, want_pool)
+    assert len(got_saved) == len(want_saved)
+    for a, b in zip(got_saved, want_saved):
+        torch.testing.assert_close(a, b)
+    y1 = conv_cpu.causal_conv1d_update_slots(x[:N], got_pool, weight, slots)       # one token each
+    y2 = conv_ref.causal_conv1d_update_slots(x[:N], want_pool, weight, slots)
+    torch.testing.assert_close(y1, y2)
+    torch.testing.assert_close(got_pool, want_pool)
+
+
+def test_pools_the_kernels_do_not_take_go_to_the_reference(built):
+    """A bf16 state pool: the reference runs (the kernel reads fp32 states)."""
+    q, k, v, g, beta = inputs(3, 1, 2, 16, 16, seed=5)
+    pool = torch.randn(4, 2, 16, 16).bfloat16()
+    slots = torch.tensor([3, 0, 1])
+    want_pool = pool.clone()
+    got = gdr_cpu.gated_delta_rule_decode_slots(q, k, v, g, beta, pool, slots)
+    want = gdr_ref.gated_delta_rule_decode_slots(q, k, v, g, beta, want_pool, slots)
+    assert torch.equal(got, want) and torch.equal(pool, want_pool)
