@@ -22,7 +22,7 @@ _log = structlog.get_logger("radixflow.kernels")
 
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "gated_delta_rule" / "cpu_decode.cpp", _HERE / "causal_conv1d" / "cpu_update.cpp"]
-FUNCTIONS = ["gdr_decode_depths", "conv_update_depths"]
+FUNCTIONS = ["gdr_decode_depths", "gdr_prefill", "conv_update_depths", "conv_prefill"]
 
 _lock = threading.Lock()
 _done = threading.Event()
@@ -40,6 +40,13 @@ def _load():
              "const at::Tensor& g, const at::Tensor& beta, at::Tensor& pool, const at::Tensor& slots, "
              "const at::Tensor& offsets, const at::Tensor& lens, at::Tensor& o, at::Tensor& saved, "
              "const at::Tensor& soff);\n"
+             "void gdr_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, "
+             "const at::Tensor& beta, at::Tensor& o, at::Tensor& pool, const at::Tensor& starts, "
+             "const at::Tensor& ends, const at::Tensor& slots, const at::Tensor& tap_lo, const at::Tensor& tap_at, "
+             "const at::Tensor& tap_dst);\n"
+             "void conv_prefill(const at::Tensor& x, at::Tensor& y, at::Tensor& pool, const at::Tensor& weight, "
+             "const at::Tensor& starts, const at::Tensor& ends, const at::Tensor& slots, const at::Tensor& tap_lo, "
+             "const at::Tensor& tap_at, const at::Tensor& tap_dst);\n"
              "void conv_update_depths(const at::Tensor& x, at::Tensor& pool, const at::Tensor& weight, "
              "const at::Tensor& slots, const at::Tensor& offsets, const at::Tensor& lens, at::Tensor& y, "
              "at::Tensor& saved, const at::Tensor& soff, bool silu);\n")

@@ -3,9 +3,10 @@ the Triton kernels beside them, chosen once per model runner.
 
     auto    the Triton kernels on a CUDA device, the CPU kernels on a CPU (a CPU has no Triton backend)
     torch   the references everywhere
-    cpu     the references, but the DeltaNet decode ops (the recurrent rule and the conv update, a
-            token's and a jump-forward step's) by C++ kernels compiled on the machine (cpu_ext.py),
-            in place in the state pool; the references serve until the build is done, or if it fails
+    cpu     the references, but the DeltaNet ops (the recurrent rule and the short conv, in prefill,
+            decode and a jump-forward step's depths) by C++ kernels compiled on the machine
+            (cpu_ext.py), in place in the state pool; the references serve until the build is
+            done, or if it fails
     triton  the kernels everywhere; on a CPU only under TRITON_INTERPRET=1 (Triton's interpreter,
             which is how the parity tests and CI run them without a GPU)
 
@@ -69,8 +70,10 @@ def cpu_kernels() -> Kernels:
     return dataclasses.replace(reference(), name="cpu",
                                gated_delta_rule_decode_slots=gdr.gated_delta_rule_decode_slots,
                                gated_delta_rule_decode_depths_slots=gdr.gated_delta_rule_decode_depths_slots,
+                               gated_delta_rule_prefill_slots=gdr.gated_delta_rule_prefill_slots,
                                causal_conv1d_update_slots=conv.causal_conv1d_update_slots,
-                               causal_conv1d_update_depths_slots=conv.causal_conv1d_update_depths_slots)
+                               causal_conv1d_update_depths_slots=conv.causal_conv1d_update_depths_slots,
+                               causal_conv1d_prefill_slots=conv.causal_conv1d_prefill_slots)
 
 
 def triton_kernels() -> Kernels:

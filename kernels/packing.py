@@ -57,3 +57,17 @@ def depth_rows(counts: tuple[int, ...], dev: torch.device) -> tuple[torch.Tensor
     lens = [sum(1 for c in counts if c > i) for i in range(counts[0])]
     t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)      # noqa: E731
     return t(offsets), t(lens), t(soff), k
+
+
+def prefill_rows(bounds: list[tuple[int, int]], slots: list[int], taps: list[list[tuple[int, int]]],
+                 dev: torch.device) -> tuple[torch.Tensor, ...]:
+    """For the CPU prefill kernels: each sequence's first and end rows and its slot [N], and its
+    taps flattened (sequence n's are tap_at / tap_dst [tap_lo[n], tap_lo[n + 1])), int64."""
+    lo, at, dst = [0], [], []
+    for cuts in taps:
+        for n, d in cuts:
+            at.append(n)
+            dst.append(d)
+        lo.append(len(at))
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)      # noqa: E731
+    return t([s for s, _ in bounds]), t([e for _, e in bounds]), t(slots), t(lo), t(at), t(dst)

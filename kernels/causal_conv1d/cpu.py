@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from .. import cpu_ext
-from ..packing import depth_rows
-from . import naive
+from ..packing import depth_rows, prefill_rows
+from . import naive, packed
 
 
 def causal_conv1d_update_slots(x: torch.Tensor, pool: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor,
@@ -27,6 +27,27 @@ def causal_conv1d_update_depths_slots(x: torch.Tensor, pool: torch.Tensor, weigh
     if ext is None or not _takes(pool, activation):
         return naive.causal_conv1d_update_depths_slots(x, pool, weight, slots, counts, activation)
     return _run(ext, x, pool, weight, slots, counts, activation, keep=True)
+
+
+def causal_conv1d_prefill_slots(x: torch.Tensor, out: torch.Tensor, pool: torch.Tensor, weight: torch.Tensor,
+                                bounds: list[tuple[int, int]], slots: list[int],
+                                taps: list[list[tuple[int, int]]], activation: str | None = "silu") -> None:
+    """packed.causal_conv1d_prefill_slots."""
+    ext = cpu_ext.get()
+    if ext is None or not _takes(pool, activation) or not bounds:
+        return packed.causal_conv1d_prefill_slots(x, out, pool, weight, bounds, slots, taps, activation)
+    direct = out.dtype == torch.float32 and out.is_contiguous()
+    y = out if direct else torch.empty(out.shape, dtype=torch.float32)
+    ext.conv_prefill(x.float().contiguous(), y, pool, weight.float().contiguous(),
+                     *prefill_rows(bounds, slots, taps, pool.device))
+    # the activation, and the copy out, over the sequences' rows only: the others (a mixed step's
+    # decode rows) are the caller's, already written
+    whole = sum(e - s for s, e in bounds) == out.shape[0]
+    for s, e in [(0, out.shape[0])] if whole else bounds:
+        if activation is not None:
+            torch.nn.functional.silu(y[s:e], inplace=True)
+        if not direct:
+            out[s:e] = y[s:e]
 
 
 def _takes(pool: torch.Tensor, activation: str | None) -> bool:

@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 
 void conv_update_depths(const at::Tensor& x, at::Tensor& pool, const at::Tensor& weight, const at::Tensor& slots,
@@ -42,6 +43,57 @@ void conv_update_depths(const at::Tensor& x, at::Tensor& pool, const at::Tensor&
             for (int64_t j = 0; j < M; ++j) sp[((so[d] + n) * C + c) * M + j] = s[j];
         }
       }
+    }
+  });
+}
+
+// Prefill: sequence n is rows [starts[n], ends[n]) of x / y, from the W-1 inputs at slots[n], which
+// it leaves there; taps as in gdr_prefill (tap_at[j] tokens in: pool[tap_dst[j]] = the W-1 inputs
+// before token tap_at[j]). Tasks are (sequence, block of channels); token by token, the block's
+// channels side by side (contiguous in x and y), their windows in a small local array. y gets the
+// conv before the activation (the caller applies it, vectorized over the whole batch).
+void conv_prefill(const at::Tensor& x, at::Tensor& y, at::Tensor& pool, const at::Tensor& weight,
+                  const at::Tensor& starts, const at::Tensor& ends, const at::Tensor& slots, const at::Tensor& tap_lo,
+                  const at::Tensor& tap_at, const at::Tensor& tap_dst) {
+  const int64_t N = slots.size(0), C = x.size(1), W = weight.size(1), M = W - 1;
+  constexpr int64_t BLOCK = 64, MAXW = 8;
+  TORCH_CHECK(W <= MAXW, "conv kernel width above ", MAXW);
+  const int64_t blocks = (C + BLOCK - 1) / BLOCK;
+  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  const int64_t *st = starts.data_ptr<int64_t>(), *en = ends.data_ptr<int64_t>(), *sl = slots.data_ptr<int64_t>();
+  const int64_t *tl = tap_lo.data_ptr<int64_t>(), *ta = tap_at.data_ptr<int64_t>(), *td = tap_dst.data_ptr<int64_t>();
+  float* pp = pool.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N * blocks, 1, [&](int64_t begin, int64_t end) {
+    float win[MAXW][BLOCK], wt[MAXW][BLOCK];      // win[i][c]: the i-th oldest input; wt[i][c] = weight[c, i]
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / blocks, c0 = (task % blocks) * BLOCK, B = std::min(C, c0 + BLOCK) - c0;
+      float* s = pp + sl[n] * C * M;
+      for (int64_t c = 0; c < B; ++c) {
+        for (int64_t i = 0; i < M; ++i) win[i][c] = s[(c0 + c) * M + i];
+        for (int64_t i = 0; i < W; ++i) wt[i][c] = wp[(c0 + c) * W + i];
+      }
+      int64_t j = tl[n];
+      for (int64_t t = st[n]; t < en[n]; ++t) {
+        const float* __restrict__ xr = xp + t * C + c0;
+        float* __restrict__ yr = yp + t * C + c0;
+        for (int64_t c = 0; c < B; ++c) {
+          float a = wt[M][c] * xr[c];
+          for (int64_t i = 0; i < M; ++i) a += wt[i][c] * win[i][c];
+          yr[c] = a;
+        }
+        for (int64_t i = 0; i + 1 < M; ++i)
+          for (int64_t c = 0; c < B; ++c) win[i][c] = win[i + 1][c];
+        if (M > 0)
+          for (int64_t c = 0; c < B; ++c) win[M - 1][c] = xr[c];
+        if (j < tl[n + 1] && ta[j] == t + 1 - st[n]) {
+          for (int64_t c = 0; c < B; ++c)
+            for (int64_t i = 0; i < M; ++i) pp[(td[j] * C + c0 + c) * M + i] = win[i][c];
+          ++j;
+        }
+      }
+      for (int64_t c = 0; c < B; ++c)
+        for (int64_t i = 0; i < M; ++i) s[(c0 + c) * M + i] = win[i][c];
     }
   });
 }

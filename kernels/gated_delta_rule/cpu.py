@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from .. import cpu_ext
-from ..packing import depth_rows
-from . import naive
+from ..packing import depth_rows, prefill_rows
+from . import naive, packed
 from .naive import _expand_heads, _group, _prepare_qk
 
 
@@ -30,6 +30,34 @@ def gated_delta_rule_decode_depths_slots(q: torch.Tensor, k: torch.Tensor, v: to
     if ext is None or not _takes(pool):
         return naive.gated_delta_rule_decode_depths_slots(q, k, v, g, beta, pool, slots, counts, use_qk_l2norm, keep)
     return _run(ext, q, k, v, g, beta, pool, slots, counts, use_qk_l2norm, keep)
+
+
+def gated_delta_rule_prefill_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                   beta: torch.Tensor, o: torch.Tensor, pool: torch.Tensor,
+                                   bounds: list[tuple[int, int]], slots: list[int],
+                                   taps: list[list[tuple[int, int]]]) -> None:
+    """packed.gated_delta_rule_prefill_slots."""
+    ext = cpu_ext.get()
+    if ext is None or not _takes(pool) or not bounds:
+        return packed.gated_delta_rule_prefill_slots(q, k, v, g, beta, o, pool, bounds, slots, taps)
+    group = _group(k.shape[-2], v.shape[-2])
+    q, k = _prepare_qk(q, k, True)
+    q, k = _expand_heads(q, group).contiguous(), _expand_heads(k, group).contiguous()
+    v, g, beta = v.float().contiguous(), g.float().contiguous(), beta.float().contiguous()
+    direct = o.dtype == torch.float32 and o.is_contiguous()
+    out = o if direct else torch.empty(o.shape, dtype=torch.float32)
+    ext.gdr_prefill(q, k, v, g, beta, out, pool, *prefill_rows(bounds, slots, taps, pool.device))
+    if not direct:
+        _copy_rows(o, out, bounds)
+
+
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor, bounds: list[tuple[int, int]]) -> None:
+    """dst[rows] = src[rows] over the sequences' rows (others, a mixed step's decode rows, untouched)."""
+    if sum(e - s for s, e in bounds) == dst.shape[0]:
+        dst.copy_(src)
+        return
+    for s, e in bounds:
+        dst[s:e] = src[s:e]
 
 
 def _takes(pool: torch.Tensor) -> bool:

@@ -1,4 +1,4 @@
-// Gated delta rule decode on the CPU, one pass per token over each state, in place in the pool.
+// Gated delta rule decode (and prefill) on the CPU, two passes per token over each state, in place in the pool.
 // The torch form (naive.py: gated_delta_rule_decode_slots / _depths_slots) gathers the states of a
 // step's sequences out of the pool, runs a handful of batched ops over them per token, and scatters
 // them back: at a decode batch every op re-reads the states, and a jump-forward step pays the ops
@@ -21,6 +21,32 @@
 #include <cstring>
 #include <vector>
 
+// One token on one head's state S [K, V] (in place): S <- e^g S; delta = beta (v - S^T k);
+// S <- S + k delta^T; out = S^T q. Two passes over S; kv and delta are scratch [V].
+static inline void delta_step(float* __restrict__ S, const float* __restrict__ qr, const float* __restrict__ kr,
+                              const float* __restrict__ vr, float decay, float b, float* __restrict__ out,
+                              float* __restrict__ kv, float* __restrict__ delta, int64_t K, int64_t V) {
+  std::fill(kv, kv + V, 0.f);
+  for (int64_t i = 0; i < K; ++i) {
+    float* __restrict__ Si = S + i * V;
+    const float ki = kr[i];
+    for (int64_t j = 0; j < V; ++j) {
+      Si[j] *= decay;
+      kv[j] += ki * Si[j];
+    }
+  }
+  for (int64_t j = 0; j < V; ++j) delta[j] = b * (vr[j] - kv[j]);
+  std::fill(out, out + V, 0.f);
+  for (int64_t i = 0; i < K; ++i) {
+    float* __restrict__ Si = S + i * V;
+    const float ki = kr[i], qi = qr[i];
+    for (int64_t j = 0; j < V; ++j) {
+      Si[j] += ki * delta[j];
+      out[j] += qi * Si[j];
+    }
+  }
+}
+
 void gdr_decode_depths(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                        const at::Tensor& beta, at::Tensor& pool, const at::Tensor& slots, const at::Tensor& offsets,
                        const at::Tensor& lens, at::Tensor& o, at::Tensor& saved, const at::Tensor& soff) {
@@ -33,36 +59,51 @@ void gdr_decode_depths(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   float* op = o.data_ptr<float>();
   float* sp = saved.numel() ? saved.data_ptr<float>() : nullptr;
   at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kv(V), delta(V), acc(V);
+    std::vector<float> kv(V), delta(V);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / H, h = task % H;
       float* S = pp + (sl[n] * H + h) * K * V;
       for (int64_t d = 0; d < ln[n]; ++d) {
         const int64_t r = (off[d] + n) * H + h;
-        const float *qr = qp + r * K, *kr = kp + r * K, *vr = vp + r * V;
-        const float decay = std::exp(gp[r]), b = bp[r];
-        std::fill(kv.begin(), kv.end(), 0.f);
-        for (int64_t i = 0; i < K; ++i) {          // S <- e^g S, and S^T k
-          float* Si = S + i * V;
-          const float ki = kr[i];
-          for (int64_t j = 0; j < V; ++j) {
-            Si[j] *= decay;
-            kv[j] += ki * Si[j];
-          }
-        }
-        for (int64_t j = 0; j < V; ++j) delta[j] = b * (vr[j] - kv[j]);
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t i = 0; i < K; ++i) {          // S <- S + k delta^T, and o = S^T q
-          float* Si = S + i * V;
-          const float ki = kr[i], qi = qr[i];
-          for (int64_t j = 0; j < V; ++j) {
-            Si[j] += ki * delta[j];
-            acc[j] += qi * Si[j];
-          }
-        }
-        std::memcpy(op + r * V, acc.data(), V * sizeof(float));
+        delta_step(S, qp + r * K, kp + r * K, vp + r * V, std::exp(gp[r]), bp[r], op + r * V, kv.data(),
+                   delta.data(), K, V);
         if (sp != nullptr && d + 1 < ln[n])
           std::memcpy(sp + ((so[d] + n) * H + h) * K * V, S, K * V * sizeof(float));
+      }
+    }
+  });
+}
+
+// Prefill: sequence n is rows [starts[n], ends[n]) from the state at slots[n], left there; its
+// taps tap_at[j] / tap_dst[j] for j in [tap_lo[n], tap_lo[n + 1]) (ascending) copy the state after
+// its first tap_at[j] tokens to pool[tap_dst[j]] (a prefix-cache checkpoint inside the chunk).
+// Token by token, where the torch reference runs the chunked form: at these head sizes the state
+// stays in the L1 cache and the recurrence is two passes over it per token.
+void gdr_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                 const at::Tensor& beta, at::Tensor& o, at::Tensor& pool, const at::Tensor& starts,
+                 const at::Tensor& ends, const at::Tensor& slots, const at::Tensor& tap_lo, const at::Tensor& tap_at,
+                 const at::Tensor& tap_dst) {
+  const int64_t N = slots.size(0), H = q.size(1), K = q.size(2), V = v.size(2);
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  const int64_t *st = starts.data_ptr<int64_t>(), *en = ends.data_ptr<int64_t>(), *sl = slots.data_ptr<int64_t>();
+  const int64_t *tl = tap_lo.data_ptr<int64_t>(), *ta = tap_at.data_ptr<int64_t>(), *td = tap_dst.data_ptr<int64_t>();
+  float* pp = pool.data_ptr<float>();
+  float* op = o.data_ptr<float>();
+  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> kv(V), delta(V);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / H, h = task % H;
+      float* S = pp + (sl[n] * H + h) * K * V;
+      int64_t j = tl[n];
+      for (int64_t t = st[n]; t < en[n]; ++t) {
+        const int64_t r = t * H + h;
+        delta_step(S, qp + r * K, kp + r * K, vp + r * V, std::exp(gp[r]), bp[r], op + r * V, kv.data(),
+                   delta.data(), K, V);
+        if (j < tl[n + 1] && ta[j] == t + 1 - st[n]) {
+          std::memcpy(pp + (td[j] * H + h) * K * V, S, K * V * sizeof(float));
+          ++j;
+        }
       }
     }
   });

@@ -1,5 +1,5 @@
-"""The C++ CPU kernels (kernels/cpu_ext.py) against their torch references: the DeltaNet decode
-ops of a decode step and of a jump-forward step (rows by depth), in place in a state pool."""
+"""The C++ CPU kernels (kernels/cpu_ext.py) against their torch references: the DeltaNet ops of a
+prefill batch, a decode step and a jump-forward step (rows by depth), in place in a state pool."""
 from __future__ import annotations
 
 import pytest
@@ -8,8 +8,10 @@ import torch
 from radixflow.kernels import cpu_ext
 from radixflow.kernels.causal_conv1d import cpu as conv_cpu
 from radixflow.kernels.causal_conv1d import naive as conv_ref
+from radixflow.kernels.causal_conv1d import packed as conv_packed_ref
 from radixflow.kernels.gated_delta_rule import cpu as gdr_cpu
 from radixflow.kernels.gated_delta_rule import naive as gdr_ref
+from radixflow.kernels.gated_delta_rule import packed as packed_ref
 
 DEPTHS = [[5], [3, 3, 3], [4, 2, 1], [6, 6, 2, 2, 1], [4, 4, 4, 3, 3, 2, 2, 1, 1]]
 
@@ -89,3 +91,48 @@ def test_pools_the_kernels_do_not_take_go_to_the_reference(built):
     got = gdr_cpu.gated_delta_rule_decode_slots(q, k, v, g, beta, pool, slots)
     want = gdr_ref.gated_delta_rule_decode_slots(q, k, v, g, beta, want_pool, slots)
     assert torch.equal(got, want) and torch.equal(pool, want_pool)
+
+
+# a packed prefill batch: sequences of other lengths, rows between them that belong to none (a
+# mixed step's decode rows, left untouched), and checkpoint taps inside sequences
+PREFILLS = [([(0, 150)], [[]]),
+            ([(0, 40), (41, 120), (123, 130)], [[(16, 9)], [], [(2, 10), (5, 11)]]),
+            ([(2, 66), (66, 130)], [[(64 - 1, 12)], [(1, 13)]])]
+
+
+@pytest.mark.parametrize("bounds,taps", PREFILLS)
+def test_gated_delta_rule_prefill_matches_the_reference(built, bounds, taps):
+    T = max(e for _, e in bounds) + 2
+    q, k, v, g, beta = inputs(T, 2, 4, 32, 48, seed=T)
+    slots = [3, 0, 6][: len(bounds)]
+    pool = torch.randn(14, 4, 32, 48)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want, got = torch.full((T, 4, 48), 7.0), torch.full((T, 4, 48), 7.0)
+    packed_ref.gated_delta_rule_prefill_slots(q, k, v, g, beta, want, want_pool, bounds, slots, taps)
+    gdr_cpu.gated_delta_rule_prefill_slots(q, k, v, g, beta, got, got_pool, bounds, slots, taps)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_pool, want_pool, atol=1e-4, rtol=1e-4)
+    mine = torch.zeros(T, dtype=torch.bool)
+    for s, e in bounds:
+        mine[s:e] = True
+    assert bool((got[~mine] == 7.0).all())
+    # in bf16 the output is written through an fp32 buffer, at the same rows only
+    got16 = torch.full((T, 4, 48), 7.0, dtype=torch.bfloat16)
+    gdr_cpu.gated_delta_rule_prefill_slots(q, k, v, g, beta, got16, pool.clone(), bounds, slots, taps)
+    torch.testing.assert_close(got16.float(), want, atol=2e-2, rtol=2e-2)
+    assert bool((got16[~mine] == 7.0).all())
+
+
+@pytest.mark.parametrize("bounds,taps", PREFILLS)
+def test_conv_prefill_matches_the_reference(built, bounds, taps):
+    T, C, W = max(e for _, e in bounds) + 2, 40, 4
+    gen = torch.Generator().manual_seed(T)
+    x, weight = torch.randn(T, C, generator=gen), torch.randn(C, W, generator=gen)
+    slots = [3, 0, 6][: len(bounds)]
+    pool = torch.randn(14, C, W - 1, generator=gen)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want, got = torch.full((T, C), 7.0), torch.full((T, C), 7.0)
+    conv_packed_ref.causal_conv1d_prefill_slots(x, want, want_pool, weight, bounds, slots, taps)
+    conv_cpu.causal_conv1d_prefill_slots(x, got, got_pool, weight, bounds, slots, taps)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_pool, want_pool)
