@@ -52,7 +52,19 @@ def _load():
              "at::Tensor& saved, const at::Tensor& soff, bool silu);\n")
     src = "\n".join(p.read_text() for p in SOURCES)
     return load_inline("radixflow_cpu_kernels", cpp_sources=[src, decls], functions=FUNCTIONS,
-                       extra_cflags=["-O3", "-march=native"], verbose=False)
+                       extra_cflags=["-O3", "-march=native"], build_directory=_build_dir(), verbose=False)
+
+
+def _build_dir() -> str | None:
+    """Inside the environment (a virtualenv's prefix) where it is writable: the build depends on
+    that environment's torch headers, and two environments sharing torch's default folder would
+    rebuild each other's out. Elsewhere torch's default (~/.cache/torch_extensions)."""
+    d = Path(sys.prefix) / "var" / "radixflow" / "cpu_kernels"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        return str(d) if os.access(d, os.W_OK) else None
+    except OSError:
+        return None
 
 
 def _build() -> None:
