@@ -2,8 +2,8 @@
 the machine that runs them, the first time (torch's cpp_extension with g++ and ninja, ~1 min on 2
 cores; cached under ~/.cache/torch_extensions after that).
 
-The build runs in a background thread, started by the first `start()` (the model runner's, when it
-picks the CPU kernels): a server starts at once and runs the torch references until the build is
+The build runs in a background thread, started by the first `get()` (the first DeltaNet op of a
+runner that picked the CPU kernels): a server starts at once and runs the torch references until the build is
 done, then the compiled ones (cpu.py in each kernel's folder asks `get()` per call). Where there is
 no compiler, the build fails once, with a warning, and the references stay. RADIXFLOW_CPU_KERNELS=0
 turns the build off. Benchmarks and tests `wait()` for it.
@@ -97,7 +97,10 @@ def start() -> None:
 
 
 def get():
-    """The compiled module, or None while it builds (or where it cannot)."""
+    """The compiled module, or None while it builds (or where it cannot); the first call starts
+    the build (so a model without DeltaNet layers never builds it)."""
+    if _thread is None:
+        start()
     return _module if _done.is_set() else None
 
 

@@ -63,10 +63,8 @@ def reference() -> Kernels:
 def cpu_kernels() -> Kernels:
     import dataclasses
 
-    from . import cpu_ext
     from .causal_conv1d import cpu as conv
     from .gated_delta_rule import cpu as gdr
-    cpu_ext.start()
     return dataclasses.replace(reference(), name="cpu",
                                gated_delta_rule_decode_slots=gdr.gated_delta_rule_decode_slots,
                                gated_delta_rule_decode_depths_slots=gdr.gated_delta_rule_decode_depths_slots,
