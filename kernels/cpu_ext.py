@@ -16,9 +16,6 @@ import sys
 import threading
 from pathlib import Path
 
-import structlog
-
-_log = structlog.get_logger("radixflow.kernels")
 
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "gated_delta_rule" / "cpu_decode.cpp", _HERE / "causal_conv1d" / "cpu_update.cpp"]
@@ -69,6 +66,8 @@ def _build_dir() -> str | None:
 
 def _build() -> None:
     global _module
+    from radixflow.shared.log import get
+    log = get("radixflow.kernels")          # the project's logging (stderr), configured once
     try:
         # the compiler runs in a process of its own at the lowest priority, so that a server
         # starting meanwhile (on 2 cores) is not slowed by it; then the build, cached, loads here
@@ -77,9 +76,9 @@ def _build() -> None:
         if done.returncode != 0:
             raise RuntimeError((done.stderr or done.stdout).strip()[-500:])
         _module = _load()
-        _log.info("cpu kernels built")
+        log.info("cpu kernels built")
     except Exception as e:        # no compiler, no ninja: the torch references serve
-        _log.warning("cpu kernels unavailable, the torch references serve", error=f"{type(e).__name__}: {e}"[:500])
+        log.warning("cpu kernels unavailable, the torch references serve", error=f"{type(e).__name__}: {e}"[:500])
     finally:
         _done.set()
 
