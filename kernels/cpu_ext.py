@@ -1,10 +1,10 @@
 """The CPU kernels (gated_delta_rule/cpu_decode.cpp, causal_conv1d/cpu_update.cpp): C++ compiled on
-the machine that runs them, the first time (torch's cpp_extension with g++ and ninja, ~1 min on 2
-cores; cached under ~/.cache/torch_extensions after that).
+the machine that runs them, the first time (torch's cpp_extension with g++ and ninja, about 25 s on
+2 cores; kept in the environment after that, see _build_dir).
 
 The build runs in a background thread, started by the first `get()` (the first DeltaNet op of a
-runner that picked the CPU kernels): a server starts at once and runs the torch references until the build is
-done, then the compiled ones (cpu.py in each kernel's folder asks `get()` per call). Where there is
+runner that picked the CPU kernels): a server starts at once and runs the torch references until
+the build is done, then the compiled ones (cpu.py in each kernel's folder asks `get()` per call). Where there is
 no compiler, the build fails once, with a warning, and the references stay. RADIXFLOW_CPU_KERNELS=0
 turns the build off. Benchmarks and tests `wait()` for it.
 """

@@ -1,6 +1,7 @@
-"""The causal conv1d decode updates by the CPU kernel (cpu_update.cpp, built by kernels.cpu_ext),
-with the signatures of their torch references in naive.py, which serve until the kernel is built,
-and for what it does not take (a state pool that is not fp32 and contiguous, another activation)."""
+"""The causal conv1d decode updates and prefill by the CPU kernel (cpu_update.cpp, built by
+kernels.cpu_ext), with the signatures of their torch references (naive.py, packed.py), which serve
+until the kernel is built, and for what it does not take (a state pool that is not fp32 and
+contiguous, another activation)."""
 from __future__ import annotations
 
 import torch

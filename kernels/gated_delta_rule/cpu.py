@@ -1,6 +1,7 @@
-"""The gated delta rule's decode ops by the CPU kernel (cpu_decode.cpp, built by kernels.cpu_ext),
-with the signatures of their torch references in naive.py, which serve until the kernel is built,
-and for what it does not take (a state pool that is not fp32 and contiguous)."""
+"""The gated delta rule's decode and prefill ops by the CPU kernel (cpu_decode.cpp, built by
+kernels.cpu_ext), with the signatures of their torch references (naive.py, packed.py), which serve
+until the kernel is built, and for what it does not take (a state pool that is not fp32 and
+contiguous)."""
 from __future__ import annotations
 
 import torch

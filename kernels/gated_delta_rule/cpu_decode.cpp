@@ -1,4 +1,4 @@
-// Gated delta rule decode (and prefill) on the CPU, two passes per token over each state, in place in the pool.
+// Gated delta rule decode (and prefill, below) on the CPU, in place in the state pool.
 // The torch form (naive.py: gated_delta_rule_decode_slots / _depths_slots) gathers the states of a
 // step's sequences out of the pool, runs a handful of batched ops over them per token, and scatters
 // them back: at a decode batch every op re-reads the states, and a jump-forward step pays the ops
