@@ -71,3 +71,9 @@ def prefill_rows(bounds: list[tuple[int, int]], slots: list[int], taps: list[lis
         lo.append(len(at))
     t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)      # noqa: E731
     return t([s for s, _ in bounds]), t([e for _, e in bounds]), t(slots), t(lo), t(at), t(dst)
+
+
+def spans(bounds: list[tuple[int, int]], T: int) -> list[tuple[int, int]]:
+    """The row ranges a packed prefill's sequences cover: one range when they cover all T rows,
+    else theirs (the rows between are a mixed step's decode rows, the caller's)."""
+    return [(0, T)] if sum(e - s for s, e in bounds) == T else list(bounds)

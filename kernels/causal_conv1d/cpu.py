@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .. import cpu_ext
-from ..packing import depth_rows, prefill_rows
+from ..packing import depth_rows, prefill_rows, spans
 from . import naive, packed
 
 
@@ -43,8 +43,7 @@ def causal_conv1d_prefill_slots(x: torch.Tensor, out: torch.Tensor, pool: torch.
                      *prefill_rows(bounds, slots, taps, pool.device))
     # the activation, and the copy out, over the sequences' rows only: the others (a mixed step's
     # decode rows) are the caller's, already written
-    whole = sum(e - s for s, e in bounds) == out.shape[0]
-    for s, e in [(0, out.shape[0])] if whole else bounds:
+    for s, e in spans(bounds, out.shape[0]):
         if activation is not None:
             torch.nn.functional.silu(y[s:e], inplace=True)
         if not direct:
@@ -62,10 +61,5 @@ def _run(ext, x, pool, weight, slots, counts, activation, keep):
     saved = pool.new_empty(kept if keep else 0, *pool.shape[1:])
     ext.conv_update_depths(x.float().contiguous(), pool, weight.float().contiguous(), slots.contiguous(), offsets,
                            lens, y, saved, soff, activation is not None)
-    parts = []
-    if keep:
-        s = 0
-        for n in counts[1:]:
-            parts.append(saved[s:s + n])
-            s += n
-    return y.to(x.dtype), parts
+    # saved holds depth 0's kept states, then depth 1's, ...: saved[d] has counts[d + 1] of them
+    return y.to(x.dtype), list(saved.split(counts[1:])) if keep else []

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .. import cpu_ext
-from ..packing import depth_rows, prefill_rows
+from ..packing import depth_rows, prefill_rows, spans
 from . import naive, packed
 from .naive import _expand_heads, _group, _prepare_qk
 
@@ -41,24 +41,20 @@ def gated_delta_rule_prefill_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     ext = cpu_ext.get()
     if ext is None or not _takes(pool) or not bounds:
         return packed.gated_delta_rule_prefill_slots(q, k, v, g, beta, o, pool, bounds, slots, taps)
-    group = _group(k.shape[-2], v.shape[-2])
-    q, k = _prepare_qk(q, k, True)
-    q, k = _expand_heads(q, group).contiguous(), _expand_heads(k, group).contiguous()
-    v, g, beta = v.float().contiguous(), g.float().contiguous(), beta.float().contiguous()
     direct = o.dtype == torch.float32 and o.is_contiguous()
     out = o if direct else torch.empty(o.shape, dtype=torch.float32)
-    ext.gdr_prefill(q, k, v, g, beta, out, pool, *prefill_rows(bounds, slots, taps, pool.device))
+    ext.gdr_prefill(*_prepared(q, k, v, g, beta, True), out, pool, *prefill_rows(bounds, slots, taps, pool.device))
     if not direct:
-        _copy_rows(o, out, bounds)
+        for s, e in spans(bounds, o.shape[0]):       # the sequences' rows only
+            o[s:e] = out[s:e]
 
 
-def _copy_rows(dst: torch.Tensor, src: torch.Tensor, bounds: list[tuple[int, int]]) -> None:
-    """dst[rows] = src[rows] over the sequences' rows (others, a mixed step's decode rows, untouched)."""
-    if sum(e - s for s, e in bounds) == dst.shape[0]:
-        dst.copy_(src)
-        return
-    for s, e in bounds:
-        dst[s:e] = src[s:e]
+def _prepared(q, k, v, g, beta, use_qk_l2norm: bool):
+    """What the kernel reads: fp32, contiguous, q and k normalized (q scaled) at the value heads."""
+    group = _group(k.shape[-2], v.shape[-2])
+    q, k = _prepare_qk(q, k, use_qk_l2norm)
+    return (_expand_heads(q, group).contiguous(), _expand_heads(k, group).contiguous(), v.float().contiguous(),
+            g.float().contiguous(), beta.float().contiguous())
 
 
 def _takes(pool: torch.Tensor) -> bool:
@@ -67,18 +63,10 @@ def _takes(pool: torch.Tensor) -> bool:
 
 def _run(ext, q, k, v, g, beta, pool, slots, counts, use_qk_l2norm, keep):
     out_dtype = q.dtype
-    group = _group(k.shape[-2], v.shape[-2])
-    q, k = _prepare_qk(q, k, use_qk_l2norm)
-    q, k = _expand_heads(q, group).contiguous(), _expand_heads(k, group).contiguous()
-    v, g, beta = v.float().contiguous(), g.float().contiguous(), beta.float().contiguous()
+    q, k, v, g, beta = _prepared(q, k, v, g, beta, use_qk_l2norm)
     offsets, lens, soff, kept = depth_rows(tuple(counts), pool.device)
     o = torch.empty_like(v)
     saved = pool.new_empty(kept if keep else 0, *pool.shape[1:])
     ext.gdr_decode_depths(q, k, v, g, beta, pool, slots.contiguous(), offsets, lens, o, saved, soff)
-    parts = []
-    if keep:
-        s = 0
-        for n in counts[1:]:
-            parts.append(saved[s:s + n])
-            s += n
-    return o.to(out_dtype), parts
+    # saved holds depth 0's kept states, then depth 1's, ...: saved[d] has counts[d + 1] of them
+    return o.to(out_dtype), list(saved.split(counts[1:])) if keep else []
