@@ -48,8 +48,12 @@ def _load():
              "const at::Tensor& slots, const at::Tensor& offsets, const at::Tensor& lens, at::Tensor& y, "
              "at::Tensor& saved, const at::Tensor& soff, bool silu);\n")
     src = "\n".join(p.read_text() for p in SOURCES)
+    # GCC's tuning for AVX-512 CPUs prefers 256-bit vectors; the rule's 64-float state rows fit four
+    # 512-bit registers, and asking for them made a 3,100-token prefill 1.15x faster (a harmless
+    # hint where the CPU has no AVX-512)
     return load_inline("radixflow_cpu_kernels", cpp_sources=[src, decls], functions=FUNCTIONS,
-                       extra_cflags=["-O3", "-march=native"], build_directory=_build_dir(), verbose=False)
+                       extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512"],
+                       build_directory=_build_dir(), verbose=False)
 
 
 def _build_dir() -> str | None:
