@@ -1,8 +1,9 @@
-"""The CPU kernels (gated_delta_rule/cpu_decode.cpp, causal_conv1d/cpu_update.cpp): C++ compiled on
-the machine that runs them, the first time (torch's cpp_extension with g++ and ninja, about 25 s on
-2 cores; kept in the environment after that, see _build_dir).
+"""The CPU kernels (gated_delta_rule/cpu_decode.cpp, causal_conv1d/cpu_update.cpp,
+elementwise/cpu_fused.cpp): C++ compiled on the machine that runs them, the first time (torch's
+cpp_extension with g++ and ninja, about 30 s on 2 cores; kept in the environment after that, see
+_build_dir).
 
-The build runs in a background thread, started by the first `get()` (the first DeltaNet op of a
+The build runs in a background thread, started by the first `get()` (the first model step of a
 runner that picked the CPU kernels): a server starts at once and runs the torch references until
 the build is done, then the compiled ones (cpu.py in each kernel's folder asks `get()` per call). Where there is
 no compiler, the build fails once, with a warning, and the references stay. RADIXFLOW_CPU_KERNELS=0
@@ -18,8 +19,10 @@ from pathlib import Path
 
 
 _HERE = Path(__file__).parent
-SOURCES = [_HERE / "gated_delta_rule" / "cpu_decode.cpp", _HERE / "causal_conv1d" / "cpu_update.cpp"]
-FUNCTIONS = ["gdr_decode_depths", "gdr_prefill", "conv_update_depths", "conv_prefill"]
+SOURCES = [_HERE / "gated_delta_rule" / "cpu_decode.cpp", _HERE / "causal_conv1d" / "cpu_update.cpp",
+           _HERE / "elementwise" / "cpu_fused.cpp"]
+FUNCTIONS = ["gdr_decode_depths", "gdr_prefill", "conv_update_depths", "conv_prefill", "silu_mul", "rms_norm",
+             "gated_rms_norm"]
 
 _lock = threading.Lock()
 _done = threading.Event()
@@ -46,14 +49,21 @@ def _load():
              "const at::Tensor& tap_at, const at::Tensor& tap_dst);\n"
              "void conv_update_depths(const at::Tensor& x, at::Tensor& pool, const at::Tensor& weight, "
              "const at::Tensor& slots, const at::Tensor& offsets, const at::Tensor& lens, at::Tensor& y, "
-             "at::Tensor& saved, const at::Tensor& soff, bool silu);\n")
+             "at::Tensor& saved, const at::Tensor& soff, bool silu);\n"
+             "void silu_mul(const at::Tensor& h, at::Tensor& out);\n"
+             "void rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out);\n"
+             "void gated_rms_norm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& w, double eps, "
+             "at::Tensor& out);\n")
     src = "\n".join(p.read_text() for p in SOURCES)
+    # -fopenmp: at::parallel_for is OpenMP inlined into the kernel, and without the flag it runs its
+    # tasks one after another (the kernels used one core of two). The library it links resolves to
+    # the libgomp that torch has loaded (one thread pool, torch's thread count).
     # GCC's tuning for AVX-512 CPUs prefers 256-bit vectors; the rule's 64-float state rows fit four
     # 512-bit registers, and asking for them made a 3,100-token prefill 1.15x faster (a harmless
     # hint where the CPU has no AVX-512)
+    flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
     return load_inline("radixflow_cpu_kernels", cpp_sources=[src, decls], functions=FUNCTIONS,
-                       extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512"],
-                       build_directory=_build_dir(), verbose=False)
+                       extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=_build_dir(), verbose=False)
 
 
 def _build_dir() -> str | None:
@@ -101,7 +111,7 @@ def start() -> None:
 
 def get():
     """The compiled module, or None while it builds (or where it cannot); the first call starts
-    the build (so a model without DeltaNet layers never builds it)."""
+    the build (so a runner with other kernels never builds it)."""
     if _thread is None:
         start()
     return _module if _done.is_set() else None

@@ -5,7 +5,8 @@ the Triton kernels beside them, chosen once per model runner.
     torch   the references everywhere
     cpu     the references, but the DeltaNet ops (the recurrent rule and the short conv, in prefill,
             decode and a jump-forward step's depths) by C++ kernels compiled on the machine
-            (cpu_ext.py), in place in the state pool; the references serve until the build is
+            (cpu_ext.py), in place in the state pool, and the layers' fp32 elementwise ops (RMSNorm,
+            SiLU-and-multiply, the gated norm) fused; the references serve until the build is
             done, or if it fails
     triton  the kernels everywhere; on a CPU only under TRITON_INTERPRET=1 (Triton's interpreter,
             which is how the parity tests and CI run them without a GPU)
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from .elementwise import reference as _ew
 
 __all__ = ["Kernels", "CHOICES", "cpu_kernels", "interpreting", "pick", "reference", "triton_kernels"]
 
@@ -46,6 +49,10 @@ class Kernels:
     causal_conv1d_update_slots: Callable       # causal_conv1d.naive.causal_conv1d_update_slots
     causal_conv1d_prefill_slots: Callable      # causal_conv1d.packed.causal_conv1d_prefill_slots
     causal_conv1d_update_depths_slots: Callable  # causal_conv1d.naive (jump-forward draft rows)
+    # the layers' fp32 elementwise ops (elementwise.reference); the same torch forms but on the CPU
+    rms_norm: Callable = _ew.rms_norm
+    silu_mul: Callable = _ew.silu_mul
+    gated_rms_norm: Callable = _ew.gated_rms_norm
 
 
 def reference() -> Kernels:
@@ -64,8 +71,10 @@ def cpu_kernels() -> Kernels:
     import dataclasses
 
     from .causal_conv1d import cpu as conv
+    from .elementwise import cpu as ew
     from .gated_delta_rule import cpu as gdr
-    return dataclasses.replace(reference(), name="cpu",
+    return dataclasses.replace(reference(), name="cpu", rms_norm=ew.rms_norm, silu_mul=ew.silu_mul,
+                               gated_rms_norm=ew.gated_rms_norm,
                                gated_delta_rule_decode_slots=gdr.gated_delta_rule_decode_slots,
                                gated_delta_rule_decode_depths_slots=gdr.gated_delta_rule_decode_depths_slots,
                                gated_delta_rule_prefill_slots=gdr.gated_delta_rule_prefill_slots,

@@ -1,5 +1,6 @@
 """The C++ CPU kernels (kernels/cpu_ext.py) against their torch references: the DeltaNet ops of a
-prefill batch, a decode step and a jump-forward step (rows by depth), in place in a state pool."""
+prefill batch, a decode step and a jump-forward step (rows by depth), in place in a state pool; the
+layers' fused elementwise ops."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +10,8 @@ from radixflow.kernels import cpu_ext
 from radixflow.kernels.causal_conv1d import cpu as conv_cpu
 from radixflow.kernels.causal_conv1d import naive as conv_ref
 from radixflow.kernels.causal_conv1d import packed as conv_packed_ref
+from radixflow.kernels.elementwise import cpu as ew_cpu
+from radixflow.kernels.elementwise import reference as ew_ref
 from radixflow.kernels.gated_delta_rule import cpu as gdr_cpu
 from radixflow.kernels.gated_delta_rule import naive as gdr_ref
 from radixflow.kernels.gated_delta_rule import packed as packed_ref
@@ -100,14 +103,19 @@ PREFILLS = [([(0, 150)], [[]]),
             ([(2, 66), (66, 130)], [[(64 - 1, 12)], [(1, 13)]])]
 
 
+# (K, V): a head size without a template instance (the generic step), and the instantiated ones
+HEADS = [(32, 48), (64, 64), (128, 128), (64, 128)]
+
+
+@pytest.mark.parametrize("K,V", HEADS)
 @pytest.mark.parametrize("bounds,taps", PREFILLS)
-def test_gated_delta_rule_prefill_matches_the_reference(built, bounds, taps):
+def test_gated_delta_rule_prefill_matches_the_reference(built, bounds, taps, K, V):
     T = max(e for _, e in bounds) + 2
-    q, k, v, g, beta = inputs(T, 2, 4, 32, 48, seed=T)
+    q, k, v, g, beta = inputs(T, 2, 4, K, V, seed=T)
     slots = [3, 0, 6][: len(bounds)]
-    pool = torch.randn(14, 4, 32, 48)
+    pool = torch.randn(14, 4, K, V)
     want_pool, got_pool = pool.clone(), pool.clone()
-    want, got = torch.full((T, 4, 48), 7.0), torch.full((T, 4, 48), 7.0)
+    want, got = torch.full((T, 4, V), 7.0), torch.full((T, 4, V), 7.0)
     packed_ref.gated_delta_rule_prefill_slots(q, k, v, g, beta, want, want_pool, bounds, slots, taps)
     gdr_cpu.gated_delta_rule_prefill_slots(q, k, v, g, beta, got, got_pool, bounds, slots, taps)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -117,7 +125,7 @@ def test_gated_delta_rule_prefill_matches_the_reference(built, bounds, taps):
         mine[s:e] = True
     assert bool((got[~mine] == 7.0).all())
     # in bf16 the output is written through an fp32 buffer, at the same rows only
-    got16 = torch.full((T, 4, 48), 7.0, dtype=torch.bfloat16)
+    got16 = torch.full((T, 4, V), 7.0, dtype=torch.bfloat16)
     gdr_cpu.gated_delta_rule_prefill_slots(q, k, v, g, beta, got16, pool.clone(), bounds, slots, taps)
     torch.testing.assert_close(got16.float(), want, atol=2e-2, rtol=2e-2)
     assert bool((got16[~mine] == 7.0).all())
@@ -136,3 +144,27 @@ def test_conv_prefill_matches_the_reference(built, bounds, taps):
     conv_cpu.causal_conv1d_prefill_slots(x, got, got_pool, weight, bounds, slots, taps)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got_pool, want_pool)
+
+
+@pytest.mark.parametrize("T", [1, 7, 300])
+def test_fused_elementwise_ops_match_the_reference(built, T, monkeypatch):
+    gen = torch.Generator().manual_seed(T)
+    h = torch.randn(T, 2 * 96, generator=gen) * 4          # SiLU far into both tails
+    # a projection's output split and viewed per head (row strides, no copy), as the layers pass them
+    proj = torch.randn(T, 3 * 80, generator=gen)
+    x2, w = proj[:, 80:160], torch.randn(80, generator=gen) * 0.1
+    x3, z3 = proj[:, :80].reshape(T, 4, 20), proj[:, 160:].reshape(T, 4, 20)
+    w3 = torch.randn(20, generator=gen)
+    cases = [("silu_mul", (h,)), ("rms_norm", (x2, w, 1e-6, False)), ("rms_norm", (x2, w, 1e-6, True)),
+             ("rms_norm", (x3, w3, 1e-6, True)), ("gated_rms_norm", (x3, z3, w3, 1e-6))]
+    wants = [getattr(ew_ref, name)(*args) for name, args in cases]
+    with monkeypatch.context() as m:      # fp32 rows: the kernel, never the reference
+        for name in ("silu_mul", "rms_norm", "gated_rms_norm"):
+            m.setattr(ew_cpu.reference, name, lambda *a, **k: pytest.fail("went to the reference"))
+        for (name, args), want in zip(cases, wants):
+            torch.testing.assert_close(getattr(ew_cpu, name)(*args), want)
+    # what the kernel does not take goes to the reference: bf16, and a last dim that is not contiguous
+    hb = h.bfloat16()
+    assert torch.equal(ew_cpu.silu_mul(hb), ew_ref.silu_mul(hb))
+    xt = torch.randn(80, T, generator=gen).t()
+    assert torch.equal(ew_cpu.rms_norm(xt, w, 1e-6), ew_ref.rms_norm(xt, w, 1e-6))

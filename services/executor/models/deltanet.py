@@ -69,7 +69,7 @@ class GatedDeltaNet(nn.Module):
                                                                         slots[ones])
             if rest:
                 batch.kernels.gated_delta_rule_prefill_slots(q, k, v, g, beta, o, rec, *batch.prefill_pieces())
-        o = self.norm(o, z.reshape(T, self.hv, self.dv))
+        o = self.norm(o, z.reshape(T, self.hv, self.dv), batch.kernels)
         return self.out_proj(o.reshape(T, self.value_dim))
 
     # A decode step with jump-forward drafts has several rows per sequence, one per position, all

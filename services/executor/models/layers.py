@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixflow.kernels.elementwise import reference as _ref
+
 
 class RMSNorm(nn.Module):
     """RMSNorm in fp32. Qwen3.5 stores zero-centered weights and scales by (1 + w)."""
@@ -15,13 +17,11 @@ class RMSNorm(nn.Module):
         self.zero_centered = zero_centered
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
+        """ops: the runner's kernels (dispatch.Kernels), whose fused rms_norm serves fp32; else torch's."""
         dtype = x.dtype
         if dtype == torch.float32:
-            # one fused op, the same math (the hand-written form below is six passes over x, which
-            # at hidden 256 cost as much as the projection next to it)
-            w = 1.0 + self.weight if self.zero_centered else self.weight
-            return F.rms_norm(x, self.weight.shape, w, self.eps)
+            return (ops or _ref).rms_norm(x, self.weight, self.eps, self.zero_centered)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.zero_centered:
@@ -38,10 +38,10 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, z: torch.Tensor, ops=None) -> torch.Tensor:
         dtype = x.dtype
         if dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps) * F.silu(z)   # fused norm, same math
+            return (ops or _ref).gated_rms_norm(x, z, self.weight, self.eps)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         x = self.weight * x.to(dtype)
@@ -56,9 +56,8 @@ class MLP(nn.Module):
         self.gate_up = nn.Linear(hidden, 2 * inter, bias=False)
         self.down = nn.Linear(inter, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
+        return self.down((ops or _ref).silu_mul(self.gate_up(x)))
 
 
 class Rotary(nn.Module):

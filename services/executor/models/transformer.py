@@ -26,8 +26,9 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.zero_centered_norm)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, mem_a: torch.Tensor, mem_b: torch.Tensor) -> torch.Tensor:
-        x = x + self.mixer(self.input_norm(x), batch, mem_a, mem_b)
-        return x + self.mlp(self.post_norm(x))
+        ops = batch.kernels
+        x = x + self.mixer(self.input_norm(x, ops), batch, mem_a, mem_b)
+        return x + self.mlp(self.post_norm(x, ops), ops)
 
 
 class CausalLM(nn.Module):
@@ -54,5 +55,5 @@ class CausalLM(nn.Module):
                 x = layer(x, batch, kv.k[j], kv.v[j])
             else:
                 x = layer(x, batch, state.recurrent[j], state.conv[j])
-        x = self.norm(x[batch.logits_rows])
+        x = self.norm(x[batch.logits_rows], batch.kernels)
         return self.lm_head(x).float() if head else x

@@ -1,0 +1,53 @@
+"""The fused elementwise ops by the CPU kernel (cpu_fused.cpp, built by kernels.cpu_ext), with the
+signatures of reference.py, which serves until the kernel is built, and for what it does not take
+(not fp32, not on the CPU, a last dim that is not contiguous)."""
+from __future__ import annotations
+
+import torch
+
+from .. import cpu_ext
+from . import reference
+
+
+def _takes(*ts: torch.Tensor) -> bool:
+    """Rows the kernel reads: fp32 on the CPU, [A, D] or [A, B, D] with the last dim contiguous."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() in (2, 3) and t.stride(-1) == 1
+               for t in ts)
+
+
+def _weight(w: torch.Tensor, x: torch.Tensor) -> bool:
+    return w.device.type == "cpu" and w.dtype == torch.float32 and w.shape == x.shape[-1:]
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dim() == 3 else x.unsqueeze(1)      # [A, B, D]: a view, any row strides
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
+    """reference.rms_norm."""
+    ext = cpu_ext.get()
+    if ext is None or not _takes(x) or not _weight(weight, x):
+        return reference.rms_norm(x, weight, eps, zero_centered)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    ext.rms_norm(_rows(x), (1.0 + weight if zero_centered else weight).contiguous(), eps, _rows(out))
+    return out
+
+
+def silu_mul(h: torch.Tensor) -> torch.Tensor:
+    """reference.silu_mul."""
+    ext = cpu_ext.get()
+    if ext is None or not _takes(h) or h.dim() != 2 or not h.is_contiguous():
+        return reference.silu_mul(h)
+    out = torch.empty(h.shape[0], h.shape[1] // 2, dtype=torch.float32)
+    ext.silu_mul(h, out)
+    return out
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """reference.gated_rms_norm."""
+    ext = cpu_ext.get()
+    if ext is None or not _takes(x, z) or not _weight(weight, x) or x.dim() != 3 or z.shape != x.shape:
+        return reference.gated_rms_norm(x, z, weight, eps)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    ext.gated_rms_norm(x, z, weight.contiguous(), eps, out)
+    return out
