@@ -375,11 +375,21 @@ async def test_stack_serves_both_engines_in_one_batch(models):
 
 
 @pytest.mark.parametrize("V", [4096, 1000, 33])
-def test_bitmask_apply_equals_xgrammars_kernel(V):
-    """constrain.apply_bitmask (a faster CPU path) against xgrammar's own kernel: words all clear,
-    all set and mixed, a vocabulary that is not a multiple of 32, and only some rows masked."""
+@pytest.mark.parametrize("form", ["kernel", "torch"])
+def test_bitmask_apply_equals_xgrammars_kernel(V, form):
+    """constrain.apply_bitmask (a faster CPU path: the C++ kernel, and its torch form where that is
+    not built) against xgrammar's own kernel: words all clear, all set and mixed, a vocabulary that
+    is not a multiple of 32, and only some rows masked."""
     import xgrammar as xgr
-    from radixflow.services.executor.constrain import apply_bitmask
+    from radixflow.kernels import cpu_ext
+    from radixflow.kernels.bitmask import cpu as bitmask_cpu
+    from radixflow.services.executor import constrain
+    assert cpu_ext.wait(600) is not None, "the CPU kernels did not build"
+    if form == "kernel":
+        def apply_bitmask(logits, bm, rows):
+            assert bitmask_cpu.apply_bitmask(logits, bm, rows, None)
+    else:
+        apply_bitmask = constrain.apply_bitmask_torch
     g = torch.Generator().manual_seed(V)
     W = (V + 31) // 32
     bm = torch.randint(-2**31, 2**31 - 1, (6, W), dtype=torch.int32, generator=g)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import xgrammar as xgr
 
+from radixflow.kernels.bitmask import cpu as bitmask_cpu
 from radixflow.services.grammar.backends.base import Backend, Matcher
 
 from .spelling import Speller
@@ -116,7 +117,16 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], 
     JSON masks. Those allow few tokens in most states: nearly every 32-token word of a row is 0
     (measured on a schema's masks at Qwen3.5's 248k vocabulary: 99.9%), and xgrammar's CPU kernel
     still tests every bit (27 ms for 16 rows; here 7). So a row is filled with -inf as a whole,
-    and only the words with some bit set are gathered before and written back after, bit by bit."""
+    and only the words with some bit set are gathered before and written back after, bit by bit.
+    Where the CPU kernels are built, theirs (kernels/bitmask: one pass, 10x faster again) serves."""
+    if bitmask_cpu.apply_bitmask(logits, bitmask, rows, mask_rows):
+        return
+    apply_bitmask_torch(logits, bitmask, rows, mask_rows)
+
+
+def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
+                        mask_rows: list[int] | None = None) -> None:
+    """apply_bitmask in torch ops (where the CPU kernel is not built)."""
     V = logits.shape[-1]
     full = V // 32 * 32
     sel = torch.tensor(rows, dtype=torch.int64)
