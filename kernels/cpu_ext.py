@@ -51,7 +51,7 @@ def _load():
              "const at::Tensor& slots, const at::Tensor& offsets, const at::Tensor& lens, at::Tensor& y, "
              "at::Tensor& saved, const at::Tensor& soff, bool silu);\n"
              "void silu_mul(const at::Tensor& h, at::Tensor& out);\n"
-             "void rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out);\n"
+             "void rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool cast_first, at::Tensor& out);\n"
              "void gated_rms_norm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& w, double eps, "
              "at::Tensor& out);\n"
              "void apply_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows, "

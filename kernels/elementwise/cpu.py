@@ -1,6 +1,6 @@
 """The fused elementwise ops by the CPU kernel (cpu_fused.cpp, built by kernels.cpu_ext), with the
 signatures of reference.py, which serves until the kernel is built, and for what it does not take
-(not fp32, not on the CPU, a last dim that is not contiguous)."""
+(not fp32 or bf16, SiLU-and-multiply in bf16, not on the CPU, a last dim that is not contiguous)."""
 from __future__ import annotations
 
 import torch
@@ -8,15 +8,18 @@ import torch
 from .. import cpu_ext
 from . import reference
 
+_DTYPES = (torch.float32, torch.bfloat16)
 
-def _takes(*ts: torch.Tensor) -> bool:
-    """Rows the kernel reads: fp32 on the CPU, [A, D] or [A, B, D] with the last dim contiguous."""
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() in (2, 3) and t.stride(-1) == 1
-               for t in ts)
+
+def _takes(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Rows the kernel reads: fp32 or bf16 on the CPU, [A, D] or [A, B, D] with the last dim
+    contiguous, all of one dtype."""
+    return all(t.device.type == "cpu" and t.dtype == x.dtype and t.dim() in (2, 3) and t.stride(-1) == 1
+               for t in (x, *others)) and x.dtype in _DTYPES
 
 
 def _weight(w: torch.Tensor, x: torch.Tensor) -> bool:
-    return w.device.type == "cpu" and w.dtype == torch.float32 and w.shape == x.shape[-1:]
+    return w.device.type == "cpu" and w.dtype in _DTYPES and w.shape == x.shape[-1:]
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -28,17 +31,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     ext = cpu_ext.get()
     if ext is None or not _takes(x) or not _weight(weight, x):
         return reference.rms_norm(x, weight, eps, zero_centered)
-    out = torch.empty(x.shape, dtype=torch.float32)
-    ext.rms_norm(_rows(x), (1.0 + weight if zero_centered else weight).contiguous(), eps, _rows(out))
+    out = torch.empty(x.shape, dtype=x.dtype)
+    w = 1.0 + weight.float() if zero_centered else weight.float()
+    # bf16 Qwen3 casts the normalized row before scaling it (reference.rms_norm); in fp32 no cast
+    # rounds, and the zero-centered form casts only the product
+    ext.rms_norm(_rows(x), w.contiguous(), eps, not zero_centered and x.dtype != torch.float32, _rows(out))
     return out
 
 
 def silu_mul(h: torch.Tensor) -> torch.Tensor:
     """reference.silu_mul."""
     ext = cpu_ext.get()
-    if ext is None or not _takes(h) or h.dim() != 2 or not h.is_contiguous():
-        return reference.silu_mul(h)
-    out = torch.empty(h.shape[0], h.shape[1] // 2, dtype=torch.float32)
+    if ext is None or h.dtype != torch.float32 or not _takes(h) or h.dim() != 2 or not h.is_contiguous():
+        return reference.silu_mul(h)        # bf16: torch's ops (cpu_fused.cpp says why)
+    out = torch.empty(h.shape[0], h.shape[1] // 2, dtype=h.dtype)
     ext.silu_mul(h, out)
     return out
 
@@ -48,6 +54,6 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     ext = cpu_ext.get()
     if ext is None or not _takes(x, z) or not _weight(weight, x) or x.dim() != 3 or z.shape != x.shape:
         return reference.gated_rms_norm(x, z, weight, eps)
-    out = torch.empty(x.shape, dtype=torch.float32)
-    ext.gated_rms_norm(x, z, weight.contiguous(), eps, out)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    ext.gated_rms_norm(x, z, weight.float().contiguous(), eps, out)
     return out

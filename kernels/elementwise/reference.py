@@ -1,6 +1,6 @@
-"""The torch forms of the fused elementwise ops (fp32; the layers keep their own bf16 forms, which
-follow transformers' casts). The contract of each op is its docstring here; cpu.py has the same
-signatures."""
+"""The torch forms of the layers' elementwise ops, in the model's dtype: fp32 by torch's fused ops;
+bf16 (and others) computed in fp32 and cast where transformers casts, so that a bf16 model matches
+its reference. The contract of each op is its docstring here; cpu.py has the same signatures."""
 from __future__ import annotations
 
 import torch
@@ -8,17 +8,32 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
-    """x / rms(x) * w over the last dim, w = 1 + weight where zero_centered (Qwen3.5), else weight.
-    x [..., D] fp32 (any strides); returns a new contiguous tensor."""
-    return F.rms_norm(x, weight.shape, 1.0 + weight if zero_centered else weight, eps)
+    """x / rms(x) * w over the last dim, in fp32. Zero-centered (Qwen3.5): w = 1 + weight, the product
+    cast once; else (Qwen3) the normalized x is cast to the dtype before the weight scales it.
+    x [..., D] (any strides); returns a new contiguous tensor in x's dtype."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, 1.0 + weight if zero_centered else weight, eps)
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centered:
+        return (x * (1.0 + weight.float())).to(dtype)
+    return weight * x.to(dtype)
 
 
 def silu_mul(h: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's activation: h [T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
+    """SwiGLU's activation: h [T, 2I] = [gate | up] -> silu(gate) * up [T, I], in h's dtype."""
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """rms_norm(x, weight) * silu(z): x, z [T, H, D] fp32 (z any strides); returns [T, H, D]."""
-    return F.rms_norm(x, weight.shape, weight, eps) * F.silu(z)
+    """rms_norm(x) * weight * silu(z) (a DeltaNet head's output norm): x, z [T, H, D] (z any
+    strides); in x's dtype, the weighted norm cast to it before the gate (as transformers)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps) * F.silu(z)
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    x = weight * x.to(dtype)
+    return (x * F.silu(z.float())).to(dtype)

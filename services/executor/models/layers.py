@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixflow.kernels.elementwise import reference as _ref
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm in fp32. Qwen3.5 stores zero-centered weights and scales by (1 + w)."""
+    """RMSNorm, computed in fp32. Qwen3.5 stores zero-centered weights and scales by (1 + w)."""
 
     def __init__(self, dim: int, eps: float, zero_centered: bool = False):
         super().__init__()
@@ -18,16 +17,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
-        """ops: the runner's kernels (dispatch.Kernels), whose fused rms_norm serves fp32; else torch's."""
-        dtype = x.dtype
-        if dtype == torch.float32:
-            return (ops or _ref).rms_norm(x, self.weight, self.eps, self.zero_centered)
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.zero_centered:
-            return (x * (1.0 + self.weight.float())).to(dtype)
-        # Qwen3 casts before scaling (matches transformers bit for bit in bf16)
-        return self.weight * x.to(dtype)
+        """ops: the runner's kernels (dispatch.Kernels), whose rms_norm may be fused; else torch's
+        (kernels/elementwise/reference.py, which also says where bf16 casts, as transformers)."""
+        return (ops or _ref).rms_norm(x, self.weight, self.eps, self.zero_centered)
 
 
 class GatedRMSNorm(nn.Module):
@@ -39,13 +31,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor, z: torch.Tensor, ops=None) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype == torch.float32:
-            return (ops or _ref).gated_rms_norm(x, z, self.weight, self.eps)
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        x = self.weight * x.to(dtype)
-        return (x * F.silu(z.float())).to(dtype)
+        return (ops or _ref).gated_rms_norm(x, z, self.weight, self.eps)
 
 
 class MLP(nn.Module):
