@@ -5,9 +5,9 @@ the Triton kernels beside them, chosen once per model runner.
     torch   the references everywhere
     cpu     the references, but the DeltaNet ops (the recurrent rule and the short conv, in prefill,
             decode and a jump-forward step's depths) by C++ kernels compiled on the machine
-            (cpu_ext.py), in place in the state pool, and the layers' fp32 elementwise ops (RMSNorm,
-            SiLU-and-multiply, the gated norm) fused; the references serve until the build is
-            done, or if it fails
+            (cpu_ext.py), in place in the state pool; the layers' elementwise ops (RMSNorm,
+            SiLU-and-multiply, the gated norm) fused, and a grammar's bitmask applied to the
+            logits; the references serve until the build is done, or if it fails
     triton  the kernels everywhere; on a CPU only under TRITON_INTERPRET=1 (Triton's interpreter,
             which is how the parity tests and CI run them without a GPU)
 
@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from .bitmask import reference as _bitmask
 from .elementwise import reference as _ew
 
 __all__ = ["Kernels", "CHOICES", "cpu_kernels", "interpreting", "pick", "reference", "triton_kernels"]
@@ -49,10 +50,12 @@ class Kernels:
     causal_conv1d_update_slots: Callable       # causal_conv1d.naive.causal_conv1d_update_slots
     causal_conv1d_prefill_slots: Callable      # causal_conv1d.packed.causal_conv1d_prefill_slots
     causal_conv1d_update_depths_slots: Callable  # causal_conv1d.naive (jump-forward draft rows)
-    # the layers' fp32 elementwise ops (elementwise.reference); the same torch forms but on the CPU
+    # the layers' elementwise ops and a grammar's bitmask on CPU logits: torch's everywhere but in
+    # the cpu kernels (a Triton runner's logits are on the device: constrain.apply_bitmask_device)
     rms_norm: Callable = _ew.rms_norm
     silu_mul: Callable = _ew.silu_mul
     gated_rms_norm: Callable = _ew.gated_rms_norm
+    apply_bitmask: Callable = _bitmask.apply_bitmask
 
 
 def reference() -> Kernels:
@@ -70,11 +73,12 @@ def reference() -> Kernels:
 def cpu_kernels() -> Kernels:
     import dataclasses
 
+    from .bitmask import cpu as bitmask
     from .causal_conv1d import cpu as conv
     from .elementwise import cpu as ew
     from .gated_delta_rule import cpu as gdr
     return dataclasses.replace(reference(), name="cpu", rms_norm=ew.rms_norm, silu_mul=ew.silu_mul,
-                               gated_rms_norm=ew.gated_rms_norm,
+                               gated_rms_norm=ew.gated_rms_norm, apply_bitmask=bitmask.apply_bitmask,
                                gated_delta_rule_decode_slots=gdr.gated_delta_rule_decode_slots,
                                gated_delta_rule_decode_depths_slots=gdr.gated_delta_rule_decode_depths_slots,
                                gated_delta_rule_prefill_slots=gdr.gated_delta_rule_prefill_slots,

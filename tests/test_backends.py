@@ -376,20 +376,18 @@ async def test_stack_serves_both_engines_in_one_batch(models):
 
 @pytest.mark.parametrize("V", [4096, 1000, 33])
 @pytest.mark.parametrize("form", ["kernel", "torch"])
-def test_bitmask_apply_equals_xgrammars_kernel(V, form):
-    """constrain.apply_bitmask (a faster CPU path: the C++ kernel, and its torch form where that is
-    not built) against xgrammar's own kernel: words all clear, all set and mixed, a vocabulary that
-    is not a multiple of 32, and only some rows masked."""
+def test_bitmask_apply_equals_xgrammars_kernel(V, form, monkeypatch):
+    """The CPU bitmask paths (kernels/bitmask: the C++ kernel, and its torch form, which serves
+    where that is not built; both faster than xgrammar's) against xgrammar's own kernel: words all
+    clear, all set and mixed, a vocabulary that is not a multiple of 32, and only some rows masked."""
     import xgrammar as xgr
     from radixflow.kernels import cpu_ext
     from radixflow.kernels.bitmask import cpu as bitmask_cpu
-    from radixflow.services.executor import constrain
+    from radixflow.kernels.bitmask import reference as bitmask_ref
     assert cpu_ext.wait(600) is not None, "the CPU kernels did not build"
-    if form == "kernel":
-        def apply_bitmask(logits, bm, rows):
-            assert bitmask_cpu.apply_bitmask(logits, bm, rows, None)
-    else:
-        apply_bitmask = constrain.apply_bitmask_torch
+    apply_bitmask = bitmask_cpu.apply_bitmask if form == "kernel" else bitmask_ref.apply_bitmask
+    if form == "kernel":      # never the torch form
+        monkeypatch.setattr(bitmask_ref, "apply_bitmask", lambda *a: pytest.fail("went to the torch form"))
     g = torch.Generator().manual_seed(V)
     W = (V + 31) // 32
     bm = torch.randint(-2**31, 2**31 - 1, (6, W), dtype=torch.int32, generator=g)
@@ -409,7 +407,8 @@ def test_device_bitmask_path_masks_the_rows_asked():
     """The accelerator path (bitmask rows sent to the device, xgrammar's kernel there) masks logits
     row rows[j] with bitmask row mask_rows[j] and leaves the other rows alone, as the CPU path
     does. On a CPU it runs with xgrammar's torch backend; on CUDA its kernel is xgrammar's own."""
-    from radixflow.services.executor.constrain import apply_bitmask, apply_bitmask_device
+    from radixflow.kernels.bitmask.reference import apply_bitmask
+    from radixflow.services.executor.constrain import apply_bitmask_device
     V = 1000
     g = torch.Generator().manual_seed(1)
     bm = torch.randint(-2**31, 2**31 - 1, (8, (V + 31) // 32), dtype=torch.int32, generator=g)

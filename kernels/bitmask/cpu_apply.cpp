@@ -1,6 +1,6 @@
 // A grammar's token bitmask applied to the logits on the CPU, in place: logits[rows[i], t] = -inf
-// where bit t of bitmask[mask_rows[i]] is clear. The torch form (services/executor/constrain.py:
-// apply_bitmask) takes several ops, gathers and scatters for what is here one pass over the rows:
+// where bit t of bitmask[mask_rows[i]] is clear. The torch form (reference.py: apply_bitmask)
+// takes several ops, gathers and scatters for what is here one pass over the rows:
 // a clear 32-token word (nearly every word of a JSON grammar's mask) is 32 stores, a full one none.
 //
 // logits [R, V] fp32 contiguous; bitmask [B, W] int32 contiguous, W >= ceil(V / 32); rows,

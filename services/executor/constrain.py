@@ -14,16 +14,20 @@ from __future__ import annotations
 import torch
 import xgrammar as xgr
 
-from radixflow.kernels.bitmask import cpu as bitmask_cpu
+from radixflow.kernels.bitmask import reference as bitmask_ref
+from radixflow.kernels.bitmask.reference import BITS as _BITS
 from radixflow.services.grammar.backends.base import Backend, Matcher
 
 from .spelling import Speller
 
 
 class Constrainer:
-    def __init__(self, vocab_size: int, max_rows: int, speller: Speller | None = None):
+    def __init__(self, vocab_size: int, max_rows: int, speller: Speller | None = None, kernels=None):
+        """kernels: the runner's (dispatch.Kernels), whose apply_bitmask masks CPU logits; else the
+        torch form (kernels/bitmask/reference.py)."""
         self.vocab_size = vocab_size
         self.speller = speller
+        self._apply_cpu = kernels.apply_bitmask if kernels is not None else bitmask_ref.apply_bitmask
         self.bitmask = xgr.allocate_token_bitmask(max_rows, vocab_size)     # int32 [M, ceil(V / 32)]
         # rows filled by jump-forward's mark_certain, for matchers whose state the next step's first
         # fill finds unchanged (the engine accepts tokens only after that fill): that fill copies
@@ -82,12 +86,9 @@ class Constrainer:
         """-inf, in place, where the filled bitmask rows `rows` (or, for logits row rows[j], bitmask
         row mask_rows[j]) forbid a token."""
         if logits.device.type == "cpu":
-            apply_bitmask(logits, self.bitmask, rows, mask_rows)
+            self._apply_cpu(logits, self.bitmask, rows, mask_rows)
         else:
             apply_bitmask_device(logits, self.bitmask, rows, mask_rows)
-
-
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 def allows(bitmask: torch.Tensor, row: int, token: int) -> bool:
@@ -110,47 +111,11 @@ def single_allowed(bitmask: torch.Tensor, rows: int) -> torch.Tensor:
     return ((bm != 0).sum(-1) == 1) & ((w & (w - 1)) == 0)
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], mask_rows: list[int] | None = None) -> None:
-    """logits[r, t] = -inf where bit t of bitmask[r] is clear, for r in rows (CPU, in place; with
-    mask_rows, row rows[j] reads bitmask row mask_rows[j]); the
-    same as xgrammar's apply_token_bitmask_inplace (tests/test_backends.py checks it), faster on
-    JSON masks. Those allow few tokens in most states: nearly every 32-token word of a row is 0
-    (measured on a schema's masks at Qwen3.5's 248k vocabulary: 99.9%), and xgrammar's CPU kernel
-    still tests every bit (27 ms for 16 rows; here 7). So a row is filled with -inf as a whole,
-    and only the words with some bit set are gathered before and written back after, bit by bit.
-    Where the CPU kernels are built, theirs (kernels/bitmask: one pass, 10x faster again) serves."""
-    if bitmask_cpu.apply_bitmask(logits, bitmask, rows, mask_rows):
-        return
-    apply_bitmask_torch(logits, bitmask, rows, mask_rows)
-
-
-def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
-                        mask_rows: list[int] | None = None) -> None:
-    """apply_bitmask in torch ops (where the CPU kernel is not built)."""
-    V = logits.shape[-1]
-    full = V // 32 * 32
-    sel = torch.tensor(rows, dtype=torch.int64)
-    every = len(rows) == logits.shape[0] and rows == list(range(len(rows)))
-    x = logits if every else logits[sel]
-    bm = bitmask[sel if mask_rows is None else torch.tensor(mask_rows, dtype=torch.int64)]
-    if full < V:     # the last, partial word: bit by bit
-        tail = ((bm[:, full // 32: full // 32 + 1] >> _BITS[: V - full]) & 1) == 0
-        x[:, full:].masked_fill_(tail, float("-inf"))
-    blocks = x[:, :full].view(len(rows), full // 32, 32)
-    r, w = (bm[:, : full // 32] != 0).nonzero(as_tuple=True)
-    kept = blocks[r, w]                                            # [K, 32]
-    blocks.fill_(float("-inf"))
-    allowed = ((bm[r, w].unsqueeze(-1) >> _BITS) & 1) != 0
-    blocks[r, w] = torch.where(allowed, kept, float("-inf"))
-    if not every:
-        logits[sel] = x
-
-
 def apply_bitmask_device(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
                          mask_rows: list[int] | None = None, backend: str = "auto") -> None:
-    """apply_bitmask for logits on an accelerator: the filled bitmask rows (on the CPU, where the
-    matchers write them) travel to the device, ceil(V / 32) words a row, and xgrammar's kernel
-    masks the logits in place there; the logits, 32x larger, never leave the device.
+    """kernels/bitmask's apply_bitmask for logits on an accelerator: the filled bitmask rows (on the
+    CPU, where the matchers write them) travel to the device, ceil(V / 32) words a row, and
+    xgrammar's kernel masks the logits in place there; the logits, 32x larger, never leave the device.
     `backend`: xgrammar's (auto: its CUDA kernel on CUDA)."""
     import xgrammar as xgr
     bm = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)     # -1: every token allowed
@@ -163,7 +128,7 @@ def apply_bitmask_device(logits: torch.Tensor, bitmask: torch.Tensor, rows: list
 
 def allowed_tokens(bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens that bitmask rows `rows` allow, as (j, token id) pairs, sorted by j then id: j
-    indexes `rows`. Only words with some bit set are unpacked (see apply_bitmask)."""
+    indexes `rows`. Only words with some bit set are unpacked (see kernels/bitmask/reference.py)."""
     bm = bitmask[torch.tensor(rows, dtype=torch.int64)]
     r, w = (bm != 0).nonzero(as_tuple=True)
     k, b = (((bm[r, w].unsqueeze(-1) >> _BITS) & 1) != 0).nonzero(as_tuple=True)

@@ -107,7 +107,7 @@ class ModelRunner(DraftVerify):
                                kv_dtype=self.dtype, state_dtype=state_dtype)
         self.kv = KVPool(self.spec, self.plan, self.device)
         self.state = StatePool(self.spec, self.plan, self.device) if self.spec.is_hybrid else None
-        self.constrainer = Constrainer(self.spec.vocab_size, max_rows=64)
+        self.constrainer = Constrainer(self.spec.vocab_size, max_rows=64, kernels=self.kernels)
         self.last: ForwardBatch | None = None   # the last step's batch (state_after reads its saved states)
         self.drafted = 0     # jump-forward draft tokens computed ...
         self.kept = 0        # ... and kept
