@@ -83,3 +83,14 @@ async def test_grammar_compile_time_travels_to_the_response(srv):
     (first_s, first_ms), (hit_s, hit_ms) = got
     assert first_s > 0 and abs(first_ms - first_s * 1000) < 0.1
     assert hit_s == 0 and hit_ms == 0
+
+
+async def test_an_output_no_attempt_can_pass_ends_in_a_clear_error_naming_the_attempts(srv):
+    """Two distinct items from one allowed value: the grammar (without uniqueItems) allows only
+    ["a","a"], the check refuses it every time, so every attempt is used and the request ends in an
+    error that says so (never the invalid output)."""
+    never = {"type": "array", "items": {"const": "a"}, "minItems": 2, "maxItems": 2, "uniqueItems": True}
+    async with srv.http.post(srv.base + "/v1/chat/completions", json=chat(never, 0)) as r:
+        status, body = r.status, await r.json()
+    assert status != 200 and "choices" not in body, body
+    assert "after 13 attempts" in body["error"]["message"], body
