@@ -21,7 +21,8 @@ from pathlib import Path
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "gated_delta_rule" / "cpu_decode.cpp", _HERE / "causal_conv1d" / "cpu_update.cpp",
            _HERE / "elementwise" / "cpu_fused.cpp", _HERE / "bitmask" / "cpu_apply.cpp"]
-FUNCTIONS = ["gdr_decode_depths", "gdr_prefill", "conv_update_depths", "conv_prefill", "silu_mul", "rms_norm",
+FUNCTIONS = ["gdr_decode_depths", "gdr_prefill", "conv_update_depths", "conv_prefill", "silu_mul",
+             "silu_mul_takes_bf16", "rms_norm",
              "gated_rms_norm", "apply_bitmask"]
 
 _lock = threading.Lock()
@@ -51,6 +52,7 @@ def _load():
              "const at::Tensor& slots, const at::Tensor& offsets, const at::Tensor& lens, at::Tensor& y, "
              "at::Tensor& saved, const at::Tensor& soff, bool silu);\n"
              "void silu_mul(const at::Tensor& h, at::Tensor& out);\n"
+             "bool silu_mul_takes_bf16();\n"
              "void rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool cast_first, at::Tensor& out);\n"
              "void gated_rms_norm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& w, double eps, "
              "at::Tensor& out);\n"
@@ -64,7 +66,12 @@ def _load():
     # 512-bit registers, and asking for them made a 3,100-token prefill 1.15x faster (a harmless
     # hint where the CPU has no AVX-512)
     flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
-    return load_inline("radixflow_cpu_kernels", cpp_sources=[src, decls], functions=FUNCTIONS,
+    # the bindings release the GIL while a kernel runs (load_inline's own `functions=` keep it): a
+    # 3,100-token DeltaNet prefill holds no Python object, and under `radixflow up` the event loop
+    # (gateway, scheduler, radix) shares this process and would otherwise wait the kernel out
+    binds = "".join(f'm.def("{f}", torch::wrap_pybind_function_no_gil({f}), "{f}");\n' for f in FUNCTIONS)
+    module = f"PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{binds}}}\n"
+    return load_inline("radixflow_cpu_kernels", cpp_sources=[src, decls, module],
                        extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=_build_dir(), verbose=False)
 
 

@@ -9,11 +9,19 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from contextlib import contextmanager
+from contextvars import ContextVar
 
 import structlog
 
 _configured = False
+_request_id: ContextVar[str | None] = ContextVar("radixflow_request_id", default=None)
+
+
+def _add_request_id(_logger, _method: str, event: dict) -> dict:
+    rid = _request_id.get()
+    if rid is not None:
+        event.setdefault("request_id", rid)
+    return event
 
 
 def configure(level: str | None = None, json: bool | None = None) -> None:
@@ -27,6 +35,7 @@ def configure(level: str | None = None, json: bool | None = None) -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            _add_request_id,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
@@ -43,8 +52,17 @@ def get(name: str) -> structlog.stdlib.BoundLogger:
     return structlog.get_logger(name)
 
 
-@contextmanager
-def bind_request(request_id: str):
-    """Every log line inside the block carries request_id."""
-    with structlog.contextvars.bound_contextvars(request_id=request_id):
-        yield
+class bind_request:
+    """Every log line inside the block carries request_id. One contextvar, set and reset: every
+    message a service handles passes through here, and structlog's own bound_contextvars (which
+    copies the whole context each time) was ~3% of the event loop's CPU under a burst."""
+    __slots__ = ("rid", "token")
+
+    def __init__(self, request_id: str):
+        self.rid = request_id
+
+    def __enter__(self) -> None:
+        self.token = _request_id.set(self.rid)
+
+    def __exit__(self, *exc) -> None:
+        _request_id.reset(self.token)

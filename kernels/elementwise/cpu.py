@@ -42,8 +42,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
 def silu_mul(h: torch.Tensor) -> torch.Tensor:
     """reference.silu_mul."""
     ext = cpu_ext.get()
-    if ext is None or h.dtype != torch.float32 or not _takes(h) or h.dim() != 2 or not h.is_contiguous():
-        return reference.silu_mul(h)        # bf16: torch's ops (cpu_fused.cpp says why)
+    if ext is None or not _takes(h) or h.dim() != 2 or not h.is_contiguous() \
+            or h.dtype == torch.bfloat16 and not ext.silu_mul_takes_bf16():
+        return reference.silu_mul(h)        # bf16 without AVX512-BF16: torch's ops (cpu_fused.cpp says why)
     out = torch.empty(h.shape[0], h.shape[1] // 2, dtype=h.dtype)
     ext.silu_mul(h, out)
     return out

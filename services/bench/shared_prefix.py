@@ -16,7 +16,7 @@ import statistics
 
 from radixflow.services.executor.models.spec import ModelSpec
 
-from .common import Timer, generate, served
+from .common import Timer, encoded, generate, served
 from .flops import measure_peak, request_flops
 
 
@@ -52,12 +52,13 @@ async def _side(model: str, runs: list, out_tokens: int, cache: bool, first_alon
         for pre, sufs in runs:
             body = lambda s: {"input_ids": pre + s, "sampling_params": {"max_new_tokens": out_tokens, "temperature": 0,
                                                                          "ignore_eos": True}}
+            bodies = encoded([body(s) for s in sufs])
             with Timer() as t:
-                rest = sufs
+                rest = bodies
                 if first_alone:
-                    outs.append(await generate(http, base, body(sufs[0])))
-                    rest = sufs[1:]
-                outs += await asyncio.gather(*(generate(http, base, body(s)) for s in rest))
+                    outs.append(await generate(http, base, bodies[0]))
+                    rest = bodies[1:]
+                outs += await asyncio.gather(*(generate(http, base, b) for b in rest))
             walls.append(t.s)
         peak = max(p.peak_used for p in radix.pools.values())
         page_size = stack.cfg.executor.page_size
@@ -98,22 +99,25 @@ async def _peer(url: str, runs: list, out_tokens: int, first_alone: bool) -> dic
         async with http.post(url + "/reset_prefix_cache") as r:          # vLLM's; elsewhere a 404, harmless
             pass
 
-        async def complete(prompt: list[int], max_tokens: int) -> dict:
-            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-            async with http.post(url + "/v1/completions", json=body) as r:
+        def body(prompt: list[int], max_tokens: int) -> dict:
+            return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+        async def complete(data: bytes) -> dict:
+            async with http.post(url + "/v1/completions", data=data, headers={"Content-Type": "application/json"}) as r:
                 out = await r.json()
                 if r.status != 200:
                     raise RuntimeError(f"{url}/v1/completions {r.status}: {out}")
                 return out
-        await warm_up(lambda ids: complete(ids, 2), len(runs[0][1]))           # as on our side
+        await warm_up(lambda ids: complete(encoded([body(ids, 2)])[0]), len(runs[0][1]))   # as on our side
         walls, outs = [], []
         for pre, sufs in runs:
+            bodies = encoded([body(pre + s, out_tokens) for s in sufs])       # as on our side
             with Timer() as t:
-                rest = sufs
+                rest = bodies
                 if first_alone:
-                    outs.append(await complete(pre + sufs[0], out_tokens))
-                    rest = sufs[1:]
-                outs += await asyncio.gather(*(complete(pre + s, out_tokens) for s in rest))
+                    outs.append(await complete(bodies[0]))
+                    rest = bodies[1:]
+                outs += await asyncio.gather(*(complete(b) for b in rest))
             walls.append(t.s)
     prompt = sum(o["usage"]["prompt_tokens"] for o in outs)
     cached = sum((o["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for o in outs)
