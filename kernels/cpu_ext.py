@@ -1,5 +1,5 @@
 """The CPU kernels (gated_delta_rule/cpu_decode.cpp, causal_conv1d/cpu_update.cpp,
-elementwise/cpu_fused.cpp, bitmask/cpu_apply.cpp): C++ compiled on the machine that runs them, the first time (torch's
+elementwise/cpu_fused.cpp, bitmask/cpu_apply.cpp, attention/cpu_decode.cpp): C++ compiled on the machine that runs them, the first time (torch's
 cpp_extension with g++ and ninja, about 30 s on 2 cores; kept in the environment after that, see
 _build_dir).
 
@@ -20,10 +20,10 @@ from pathlib import Path
 
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "gated_delta_rule" / "cpu_decode.cpp", _HERE / "causal_conv1d" / "cpu_update.cpp",
-           _HERE / "elementwise" / "cpu_fused.cpp", _HERE / "bitmask" / "cpu_apply.cpp"]
+           _HERE / "elementwise" / "cpu_fused.cpp", _HERE / "bitmask" / "cpu_apply.cpp",
+           _HERE / "attention" / "cpu_decode.cpp"]     # after elementwise: it uses its loads and exp
 FUNCTIONS = ["gdr_decode_depths", "gdr_prefill", "conv_update_depths", "conv_prefill", "silu_mul",
-             "silu_mul_takes_bf16", "rms_norm",
-             "gated_rms_norm", "apply_bitmask"]
+             "silu_mul_takes_bf16", "rms_norm", "gated_rms_norm", "apply_bitmask", "decode_rows"]
 
 _lock = threading.Lock()
 _done = threading.Event()
@@ -57,7 +57,9 @@ def _load():
              "void gated_rms_norm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& w, double eps, "
              "at::Tensor& out);\n"
              "void apply_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows, "
-             "const at::Tensor& mask_rows);\n")
+             "const at::Tensor& mask_rows);\n"
+             "void decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, "
+             "const at::Tensor& table, const at::Tensor& lens, double scale, at::Tensor& o, at::Tensor& lse);\n")
     src = "\n".join(p.read_text() for p in SOURCES)
     # -fopenmp: at::parallel_for is OpenMP inlined into the kernel, and without the flag it runs its
     # tasks one after another (the kernels used one core of two). The library it links resolves to

@@ -3,7 +3,8 @@ the Triton kernels beside them, chosen once per model runner.
 
     auto    the Triton kernels on a CUDA device, the CPU kernels on a CPU (a CPU has no Triton backend)
     torch   the references everywhere
-    cpu     the references, but the DeltaNet ops (the recurrent rule and the short conv, in prefill,
+    cpu     the references, but decode attention (one query per sequence, read in place in the
+            pool), the DeltaNet ops (the recurrent rule and the short conv, in prefill,
             decode and a jump-forward step's depths) by C++ kernels compiled on the machine
             (cpu_ext.py), in place in the state pool; the layers' elementwise ops (RMSNorm,
             SiLU-and-multiply, the gated norm) fused, and a grammar's bitmask applied to the
@@ -73,12 +74,14 @@ def reference() -> Kernels:
 def cpu_kernels() -> Kernels:
     import dataclasses
 
+    from .attention import cpu as attention
     from .bitmask import cpu as bitmask
     from .causal_conv1d import cpu as conv
     from .elementwise import cpu as ew
     from .gated_delta_rule import cpu as gdr
     return dataclasses.replace(reference(), name="cpu", rms_norm=ew.rms_norm, silu_mul=ew.silu_mul,
                                gated_rms_norm=ew.gated_rms_norm, apply_bitmask=bitmask.apply_bitmask,
+                               decode_attention=attention.decode_attention, cascade_decode=attention.cascade_decode,
                                gated_delta_rule_decode_slots=gdr.gated_delta_rule_decode_slots,
                                gated_delta_rule_decode_depths_slots=gdr.gated_delta_rule_decode_depths_slots,
                                gated_delta_rule_prefill_slots=gdr.gated_delta_rule_prefill_slots,

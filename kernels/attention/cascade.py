@@ -21,7 +21,7 @@ import torch
 
 from ..packing import gather_rows
 
-__all__ = ["SharedPrefix", "attend_lse", "merge", "cascade_prefill", "cascade_decode"]
+__all__ = ["SharedPrefix", "attend_lse", "merge", "cascade_prefill", "cascade_decode", "own_decode", "with_shared"]
 
 PADDED_LIMIT = 1 << 21   # query x key pairs up to which short own parts share one padded batch
 LONG_OWN = 256           # decode: an own part longer than this and than twice the median is read alone
@@ -186,6 +186,13 @@ def cascade_decode(q, k_cache, v_cache, own_table: torch.Tensor, own_lens: torch
                    groups: list[SharedPrefix], scale: float) -> torch.Tensor:
     """Decode (q [N, Hq, D], one token each); `own_table` [N, Lmax] holds each sequence's slots
     after its group's shared prefix (all of them for a sequence in no group)."""
+    o, lse = own_decode(q, k_cache, v_cache, own_table, own_lens, scale)
+    return with_shared(q, k_cache, v_cache, groups, scale, o, lse)
+
+
+def own_decode(q, k_cache, v_cache, own_table: torch.Tensor, own_lens: torch.Tensor,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's attention over its own part: o [N, Hq, D] fp32 and lse [N, Hq]."""
     N, Hq, D = q.shape
     lens = own_lens.tolist()
     # one padded batch reads every row's own part at the longest's length: a row far longer than
@@ -207,6 +214,13 @@ def cascade_decode(q, k_cache, v_cache, own_table: torch.Tensor, own_lens: torch
     for i in long:
         slots = own_table[i, :lens[i]]
         o[i:i + 1], lse[i:i + 1] = attend_lse(q[i:i + 1], gather_rows(k_cache, slots), gather_rows(v_cache, slots), scale)
+    return o, lse
+
+
+def with_shared(q, k_cache, v_cache, groups: list[SharedPrefix], scale: float, o: torch.Tensor,
+                lse: torch.Tensor) -> torch.Tensor:
+    """Merge each group's shared prefix (read once for the group) into its rows' own-part attention
+    (o, lse: own_decode's); the result in q's dtype."""
     for g in groups:
         rows = torch.tensor(g.seqs, device=q.device)
         o_s, lse_s = attend_lse(q[rows], *g.kv(k_cache, v_cache), scale)

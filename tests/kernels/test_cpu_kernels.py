@@ -1,12 +1,15 @@
 """The C++ CPU kernels (kernels/cpu_ext.py) against their torch references: the DeltaNet ops of a
 prefill batch, a decode step and a jump-forward step (rows by depth), in place in a state pool; the
-layers' fused elementwise ops."""
+layers' fused elementwise ops; decode attention read in place in the KV pool."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from radixflow.kernels import cpu_ext
+from radixflow.kernels.attention import cascade as attn_cascade
+from radixflow.kernels.attention import cpu as attn_cpu
+from radixflow.kernels.attention import naive as attn_naive
 from radixflow.kernels.causal_conv1d import cpu as conv_cpu
 from radixflow.kernels.causal_conv1d import naive as conv_ref
 from radixflow.kernels.causal_conv1d import packed as conv_packed_ref
@@ -181,3 +184,55 @@ def test_fused_elementwise_ops_match_the_reference(built, T, dtype, monkeypatch)
     assert torch.equal(ew_cpu.silu_mul(hh), ew_ref.silu_mul(hh))
     xt = torch.randn(80, T + 1, generator=gen).to(dtype)[:, :T].t()    # last-dim stride T + 1 (at T = 1 too)
     assert torch.equal(ew_cpu.rms_norm(xt, w, 1e-6), ew_ref.rms_norm(xt, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("Hq,Hkv,D", [(4, 2, 64), (3, 1, 40), (2, 2, 24)])
+def test_decode_attention_matches_the_reference(built, dtype, Hq, Hkv, D, monkeypatch):
+    """One query per row over its slots, read in place: rows of 1, 63 and 500 slots in one batch,
+    slots scattered over the pool, padding past each row's length that is never read (-1 here),
+    GQA groups of 1, 2 and 3 heads, head sizes that are no multiple of 16."""
+    gen = torch.Generator().manual_seed(D)
+    kc, vc = (torch.randn(700, Hkv, D, generator=gen).to(dtype) for _ in range(2))
+    lens = [1, 63, 500, 7]
+    table = torch.full((len(lens), max(lens)), -1, dtype=torch.int64)
+    for n, L in enumerate(lens):
+        table[n, :L] = torch.randperm(700, generator=gen)[:L]
+    q = torch.randn(len(lens), Hq, D, generator=gen).to(dtype)
+    want = attn_naive.decode_attention(q, kc, vc, table, torch.tensor(lens), D ** -0.5)
+    with monkeypatch.context() as m:       # the kernel, never the reference
+        m.setattr(attn_cpu.naive, "decode_attention", lambda *a, **k: pytest.fail("went to the reference"))
+        got = attn_cpu.decode_attention(q, kc, vc, table, torch.tensor(lens), D ** -0.5)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_decode_by_the_kernel_matches_the_reference(built, dtype, monkeypatch):
+    """Own parts by the kernel (one of them empty: a row whose whole context is its group's prefix
+    is attended to the prefix alone), each group's shared prefix merged in as in the torch form;
+    a row in no group reads all of its slots."""
+    gen = torch.Generator().manual_seed(5)
+    Hq, Hkv, D = 4, 2, 64
+    kc, vc = (torch.randn(600, Hkv, D, generator=gen).to(dtype) for _ in range(2))
+    shared = torch.arange(100, 196)                      # 96 slots, contiguous: a view
+    own_lens = [5, 0, 130, 1]                           # row 2 is in no group: all of its slots
+    own = [torch.randperm(250, generator=gen)[:n] + 300 for n in own_lens]
+    groups = [attn_cascade.SharedPrefix(seqs=[0, 1, 3], slots=shared, start=100)]
+    q = torch.randn(4, Hq, D, generator=gen).to(dtype)
+    table = torch.nn.utils.rnn.pad_sequence([o if len(o) else torch.zeros(1, dtype=torch.int64) for o in own],
+                                            batch_first=True)
+    full = [torch.cat([shared, o]) if i != 2 else o for i, o in enumerate(own)]
+    want = attn_naive.decode_attention(q, kc, vc, torch.nn.utils.rnn.pad_sequence(full, batch_first=True),
+                                       torch.tensor([len(f) for f in full]), D ** -0.5)
+    with monkeypatch.context() as m:
+        m.setattr(attn_cpu.cascade, "own_decode", lambda *a, **k: pytest.fail("went to the reference"))
+        got = attn_cpu.cascade_decode(q, kc, vc, table, torch.tensor(own_lens), groups, D ** -0.5)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    # the torch form of cascade decode agrees too (where its own parts are not empty)
+    rows = [0, 2, 3]
+    ref = attn_cascade.cascade_decode(q[rows], kc, vc, table[rows], torch.tensor(own_lens)[rows],
+                                      [attn_cascade.SharedPrefix(seqs=[0, 2], slots=shared, start=100)], D ** -0.5)
+    torch.testing.assert_close(got[rows].float(), ref.float(), **tol)
