@@ -19,9 +19,10 @@ from pathlib import Path
 
 
 _HERE = Path(__file__).parent
-SOURCES = [_HERE / "gated_delta_rule" / "cpu_decode.cpp", _HERE / "causal_conv1d" / "cpu_update.cpp",
-           _HERE / "elementwise" / "cpu_fused.cpp", _HERE / "bitmask" / "cpu_apply.cpp",
-           _HERE / "attention" / "cpu_decode.cpp"]     # after elementwise: it uses its loads and exp
+# elementwise first: its storage loads (F32 / BF16) and exp_fast serve the others (one translation unit)
+SOURCES = [_HERE / "elementwise" / "cpu_fused.cpp", _HERE / "gated_delta_rule" / "cpu_decode.cpp",
+           _HERE / "causal_conv1d" / "cpu_update.cpp", _HERE / "bitmask" / "cpu_apply.cpp",
+           _HERE / "attention" / "cpu_decode.cpp"]
 FUNCTIONS = ["gdr_decode_depths", "gdr_prefill", "conv_update_depths", "conv_prefill", "silu_mul",
              "silu_mul_takes_bf16", "rms_norm", "gated_rms_norm", "apply_bitmask", "decode_rows"]
 
@@ -47,7 +48,7 @@ def _load():
              "const at::Tensor& tap_dst);\n"
              "void conv_prefill(const at::Tensor& x, at::Tensor& y, at::Tensor& pool, const at::Tensor& weight, "
              "const at::Tensor& starts, const at::Tensor& ends, const at::Tensor& slots, const at::Tensor& tap_lo, "
-             "const at::Tensor& tap_at, const at::Tensor& tap_dst);\n"
+             "const at::Tensor& tap_at, const at::Tensor& tap_dst, bool silu);\n"
              "void conv_update_depths(const at::Tensor& x, at::Tensor& pool, const at::Tensor& weight, "
              "const at::Tensor& slots, const at::Tensor& offsets, const at::Tensor& lens, at::Tensor& y, "
              "at::Tensor& saved, const at::Tensor& soff, bool silu);\n"

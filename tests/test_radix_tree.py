@@ -141,6 +141,20 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.locked_pages() <= cached
 
     @invariant()
+    def a_running_request_knows_where_its_node_ends(self):
+        """Held.node ends at Held.node_end on the request's own tokens, at or past what it inserted:
+        progress inserts below that node, checkpoints cut the path above it, and a release reads the
+        kept pages off that path, none of them matching from the root again."""
+        for h in self.pool.held.values():
+            path, n = [], h.node
+            while not n.is_root:
+                path.append(n.key)
+                n = n.parent
+            toks = tuple(t for key in reversed(path) for t in key)
+            assert len(toks) == h.node_end >= h.inserted
+            assert toks == tuple(h.tokens[:h.node_end]) and n.namespace == h.namespace
+
+    @invariant()
     def pages_are_conserved(self):
         pool = self.pool
         free = pool._free
@@ -267,6 +281,10 @@ class HybridMachine(PoolMachine):
     @invariant()
     def states_equal_oracle(self):
         assert self.tree_states() == self.ostates
+
+    @invariant()
+    def stateful_index_is_the_nodes_with_a_state(self):
+        assert set(self.pool.tree._stateful) == {n for n in self.pool.tree.nodes() if n.state is not None}
 
     @invariant()
     def state_slots_are_conserved(self):

@@ -37,16 +37,16 @@ def causal_conv1d_prefill_slots(x: torch.Tensor, out: torch.Tensor, pool: torch.
     ext = cpu_ext.get()
     if ext is None or not _takes(pool, activation) or not bounds:
         return packed.causal_conv1d_prefill_slots(x, out, pool, weight, bounds, slots, taps, activation)
-    direct = out.dtype == torch.float32 and out.is_contiguous()
+    # x and out in the model's dtype (fp32 or bf16) are read and written by the kernel as they are,
+    # the SiLU fused; anything else through an fp32 copy
+    direct = out.dtype in (torch.float32, torch.bfloat16) and out.is_contiguous()
     y = out if direct else torch.empty(out.shape, dtype=torch.float32)
-    ext.conv_prefill(x.float().contiguous(), y, pool, weight.float().contiguous(),
-                     *prefill_rows(bounds, slots, taps, pool.device))
-    # the activation, and the copy out, over the sequences' rows only: the others (a mixed step's
-    # decode rows) are the caller's, already written
-    for s, e in spans(bounds, out.shape[0]):
-        if activation is not None:
-            torch.nn.functional.silu(y[s:e], inplace=True)
-        if not direct:
+    ext.conv_prefill(x.to(y.dtype).contiguous(), y, pool, weight.float().contiguous(),
+                     *prefill_rows(bounds, slots, taps, pool.device), activation is not None)
+    if not direct:
+        # the copy out over the sequences' rows only: the others (a mixed step's decode rows) are
+        # the caller's, already written
+        for s, e in spans(bounds, out.shape[0]):
             out[s:e] = y[s:e]
 
 

@@ -50,22 +50,28 @@ void conv_update_depths(const at::Tensor& x, at::Tensor& pool, const at::Tensor&
 // Prefill: sequence n is rows [starts[n], ends[n]) of x / y, from the W-1 inputs at slots[n], which
 // it leaves there; taps as in gdr_prefill (tap_at[j] tokens in: pool[tap_dst[j]] = the W-1 inputs
 // before token tap_at[j]). Tasks are (sequence, block of channels); token by token, the block's
-// channels side by side (contiguous in x and y), their windows in a small local array. y gets the
-// conv before the activation (the caller applies it, vectorized over the whole batch).
-void conv_prefill(const at::Tensor& x, at::Tensor& y, at::Tensor& pool, const at::Tensor& weight,
-                  const at::Tensor& starts, const at::Tensor& ends, const at::Tensor& slots, const at::Tensor& tap_lo,
-                  const at::Tensor& tap_at, const at::Tensor& tap_dst) {
+// channels side by side (contiguous in x and y), their windows in a small local array.
+// x and y in the model's dtype (fp32 or bf16: F32 / BF16 of elementwise/cpu_fused.cpp, built
+// before this file), the conv and the SiLU (when `silu`) in fp32, y rounded once: one pass over
+// the rows, where casting x to fp32, a separate SiLU and casting back were four.
+template <typename IO>
+static void conv_prefill_impl(const at::Tensor& x, at::Tensor& y, at::Tensor& pool, const at::Tensor& weight,
+                              const at::Tensor& starts, const at::Tensor& ends, const at::Tensor& slots,
+                              const at::Tensor& tap_lo, const at::Tensor& tap_at, const at::Tensor& tap_dst, bool silu) {
+  using S = typename IO::S;
   const int64_t N = slots.size(0), C = x.size(1), W = weight.size(1), M = W - 1;
   constexpr int64_t BLOCK = 64, MAXW = 8;
   TORCH_CHECK(W <= MAXW, "conv kernel width above ", MAXW);
   const int64_t blocks = (C + BLOCK - 1) / BLOCK;
-  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  const S* xp = reinterpret_cast<const S*>(x.data_ptr());
+  const float* wp = weight.data_ptr<float>();
   const int64_t *st = starts.data_ptr<int64_t>(), *en = ends.data_ptr<int64_t>(), *sl = slots.data_ptr<int64_t>();
   const int64_t *tl = tap_lo.data_ptr<int64_t>(), *ta = tap_at.data_ptr<int64_t>(), *td = tap_dst.data_ptr<int64_t>();
   float* pp = pool.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  S* yp = reinterpret_cast<S*>(y.data_ptr());
   at::parallel_for(0, N * blocks, 1, [&](int64_t begin, int64_t end) {
     float win[MAXW][BLOCK], wt[MAXW][BLOCK];      // win[i][c]: the i-th oldest input; wt[i][c] = weight[c, i]
+    float xin[BLOCK], acc[BLOCK];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / blocks, c0 = (task % blocks) * BLOCK, B = std::min(C, c0 + BLOCK) - c0;
       float* s = pp + sl[n] * C * M;
@@ -75,17 +81,21 @@ void conv_prefill(const at::Tensor& x, at::Tensor& y, at::Tensor& pool, const at
       }
       int64_t j = tl[n];
       for (int64_t t = st[n]; t < en[n]; ++t) {
-        const float* __restrict__ xr = xp + t * C + c0;
-        float* __restrict__ yr = yp + t * C + c0;
+        const S* __restrict__ xr = xp + t * C + c0;
+        S* __restrict__ yr = yp + t * C + c0;
+        for (int64_t c = 0; c < B; ++c) xin[c] = IO::load(xr[c]);
         for (int64_t c = 0; c < B; ++c) {
-          float a = wt[M][c] * xr[c];
+          float a = wt[M][c] * xin[c];
           for (int64_t i = 0; i < M; ++i) a += wt[i][c] * win[i][c];
-          yr[c] = a;
+          acc[c] = a;
         }
+        if (silu)
+          for (int64_t c = 0; c < B; ++c) acc[c] = acc[c] / (1.0f + exp_fast(-acc[c]));
+        for (int64_t c = 0; c < B; ++c) yr[c] = IO::store(acc[c]);
         for (int64_t i = 0; i + 1 < M; ++i)
           for (int64_t c = 0; c < B; ++c) win[i][c] = win[i + 1][c];
         if (M > 0)
-          for (int64_t c = 0; c < B; ++c) win[M - 1][c] = xr[c];
+          for (int64_t c = 0; c < B; ++c) win[M - 1][c] = xin[c];
         if (j < tl[n + 1] && ta[j] == t + 1 - st[n]) {
           for (int64_t c = 0; c < B; ++c)
             for (int64_t i = 0; i < M; ++i) pp[(td[j] * C + c0 + c) * M + i] = win[i][c];
@@ -96,4 +106,14 @@ void conv_prefill(const at::Tensor& x, at::Tensor& y, at::Tensor& pool, const at
         for (int64_t i = 0; i < M; ++i) s[(c0 + c) * M + i] = win[i][c];
     }
   });
+}
+
+void conv_prefill(const at::Tensor& x, at::Tensor& y, at::Tensor& pool, const at::Tensor& weight,
+                  const at::Tensor& starts, const at::Tensor& ends, const at::Tensor& slots, const at::Tensor& tap_lo,
+                  const at::Tensor& tap_at, const at::Tensor& tap_dst, bool silu) {
+  TORCH_CHECK(x.scalar_type() == y.scalar_type(), "conv_prefill: x and y in one dtype");
+  if (x.scalar_type() == at::kBFloat16)
+    return conv_prefill_impl<BF16>(x, y, pool, weight, starts, ends, slots, tap_lo, tap_at, tap_dst, silu);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "conv_prefill: fp32 or bf16");
+  conv_prefill_impl<F32>(x, y, pool, weight, starts, ends, slots, tap_lo, tap_at, tap_dst, silu);
 }

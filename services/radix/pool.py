@@ -68,6 +68,7 @@ class Held:
     tail: int = -1
     planned: dict[int, int] = field(default_factory=dict)   # checkpoint position -> slot
     quota: int = 0                   # > 0: its owner may keep at most this many cached pages
+    node_end: int = 0                # where `node` ends: its match (hybrid: may pass `inserted`), then `inserted`
 
 
 class PagePool(Pins):
@@ -288,7 +289,8 @@ class PagePool(Pins):
                 self._release_pages(fresh)
             return None
         pages = cached_pages + fresh
-        h = Held(c.namespace, list(c.token_ids), pages, node, cached, cached, nxt, quota=c.quota_pages)
+        h = Held(c.namespace, list(c.token_ids), pages, node, cached, cached, nxt, quota=c.quota_pages,
+                 node_end=m.length if m else 0)
         g = Grant(rid=c.rid, cached_tokens=cached, pages=pages)
         if self.hybrid:
             h.working, h.tail, h.planned = slots[0], slots[1], dict(zip(plan, slots[2:]))
@@ -352,17 +354,20 @@ class PagePool(Pins):
         k = min(computed, len(h.tokens)) // self.page_size * self.page_size
         if k <= h.inserted:
             return
-        node = self.tree.insert(h.namespace, h.tokens[:k], h.pages[:k // self.page_size])
+        # below its own node (locked, so still in the tree and still ending at node_end): the walk
+        # from the root over a 3,000-token preamble at every step's progress was most of radix's time
+        start = (h.node, h.node_end) if h.node_end <= k else None
+        node = self.tree.insert(h.namespace, h.tokens[:k], h.pages[:k // self.page_size], start=start)
         self.tree.lock(node)
         self.tree.unlock(h.node)
-        h.node, h.inserted = node, k
+        h.node, h.inserted, h.node_end = node, k, k
         self._done_computing(h)
 
     def _checkpoint(self, h: Held, pos: int, slot: int) -> bool:
         """Hand `slot` (holding the state after `pos` tokens) to the tree node ending at `pos`."""
         if not 0 < pos <= h.inserted:
             return False
-        node = self.tree.match(h.namespace, h.tokens[:pos]).node   # splits so a node ends at pos
+        node = self.tree.cut(h.node, h.node_end, pos)       # splits so that a node ends at pos
         if self.tree.set_state(node, slot):
             self.counters["state_checkpoints_total"] += 1
             return True
@@ -406,7 +411,7 @@ class PagePool(Pins):
             self.tree.demote(h.node, h.keep)
         # the tree keeps, for the inserted prefix, either this request's page or its own copy
         k = h.inserted // self.page_size
-        kept = set(self.tree.match(h.namespace, h.tokens[:h.inserted], split=False).pages)
+        kept = set(self.tree.path_pages(h.node)[:k])
         self._release_pages([p for p in h.pages[:k] if p not in kept] + h.pages[k:])
         # only now: pages evicted before this point could be freed twice (as evicted and as not kept)
         self._trim(h)

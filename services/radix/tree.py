@@ -68,6 +68,9 @@ class RadixTree:
         self.cached_pages = 0        # pages held by the tree
         self.evictable_pages = 0     # pages held by unlocked nodes
         self.owner_pages: dict[str, int] = {}   # owner (see owner_of) -> pages its namespaces hold
+        # the nodes carrying a state, in the order they got it (a dict: deterministic ties), so that
+        # evict_states reads these instead of walking the whole tree at every admission short of slots
+        self._stateful: dict[Node, None] = {}
 
     def root(self, namespace: str) -> Node:
         r = self.roots.get(namespace)
@@ -80,12 +83,22 @@ class RadixTree:
 
     # ------------------------------------------------------------ match / insert
 
-    def match(self, namespace: str, tokens: list[int], split: bool = True) -> Match:
+    def match(self, namespace: str, tokens: list[int], split: bool = True,
+              start: tuple[Node, int] | None = None) -> Match:
         """Longest cached page-aligned prefix of `tokens` in `namespace`. With split=False the tree is
-        left untouched (and the match may end inside a node; `node` is then the last full node)."""
+        left untouched (and the match may end inside a node; `node` is then the last full node).
+        `start` (node, end): the caller knows that `node` ends at `end` on the path of `tokens` (a
+        request's own locked node): the walk starts there, the path above is only touched, and
+        `pages` and the state fields cover what lies below it."""
         node, i, pages, ps = self.root(namespace), 0, [], self.page_size
         state_len, state_node = 0, None
         now = next(_clock)
+        if start is not None:
+            node, i = start
+            up = node
+            while up is not None:
+                up.last_access = now
+                up = up.parent
         node.last_access = now
         limit = len(tokens) - len(tokens) % ps
         while i < limit:
@@ -107,13 +120,14 @@ class RadixTree:
                 state_len, state_node = i, node
         return Match(node, i, pages, state_len, state_node)
 
-    def insert(self, namespace: str, tokens: list[int], pages: list[int]) -> Node:
+    def insert(self, namespace: str, tokens: list[int], pages: list[int], start: tuple[Node, int] | None = None) -> Node:
         """Cache `tokens` (a whole number of pages) backed by `pages`; returns the node ending at
         len(tokens). Where the tree already holds a prefix it keeps its own pages: the caller's
-        copies of that prefix stay the caller's to free."""
+        copies of that prefix stay the caller's to free. `start`: as in match (a running request's
+        progress inserts below its own node, not from the root again)."""
         ps = self.page_size
         assert len(tokens) % ps == 0 and len(pages) == len(tokens) // ps, (len(tokens), len(pages))
-        m = self.match(namespace, tokens)
+        m = self.match(namespace, tokens, start=start)
         n = m.length // ps
         node = m.node
         if m.length < len(tokens):
@@ -142,6 +156,25 @@ class RadixTree:
             else:
                 hi = mid
         return lo
+
+    def cut(self, node: Node, end: int, pos: int) -> Node:
+        """The node ending at `pos` on the path to `node` (which ends at `end`; 0 < pos <= end),
+        splitting the node that spans `pos`: what match(tokens[:pos]) returns, without matching."""
+        while end - len(node.key) >= pos:
+            end -= len(node.key)
+            node = node.parent
+        if end == pos:
+            return node
+        return self._split(node, (len(node.key) - (end - pos)) // self.page_size)
+
+    @staticmethod
+    def path_pages(node: Node) -> list[int]:
+        """The pages of the path from the root to `node`, in order."""
+        parts = []
+        while node is not None:
+            parts.append(node.pages)
+            node = node.parent
+        return [p for part in reversed(parts) for p in part]
 
     def _split(self, child: Node, n_pages: int) -> Node:
         """Cut `child` after n_pages; the new upper node inherits its lock count (locks run to the root)."""
@@ -195,6 +228,7 @@ class RadixTree:
             if leaf.state is not None:
                 states.append(leaf.state)
                 leaf.state = None
+                del self._stateful[leaf]
             parent = leaf.parent
             del parent.children[leaf.key[:self.page_size]]
             self.cached_pages -= len(leaf.pages)
@@ -207,12 +241,13 @@ class RadixTree:
     def evict_states(self, n: int, owners: Collection[str] | None = None) -> list[int]:
         """Drop the states of up to n unlocked nodes (of `owners`' namespaces, if given), least
         recently used first; their KV stays."""
-        cands = sorted((x for x in self.nodes(owners) if x.state is not None and x.lock == 0),
+        cands = sorted((x for x in self._stateful if x.lock == 0 and (owners is None or owner_of(x.namespace) in owners)),
                        key=lambda x: x.last_access)
         out = []
         for x in cands[:n]:
             out.append(x.state)
             x.state = None
+            del self._stateful[x]
         return out
 
     def demote(self, node: Node, keep: int) -> int:
@@ -243,6 +278,7 @@ class RadixTree:
         if node.state is not None or node.is_root:
             return False
         node.state = slot
+        self._stateful[node] = None
         return True
 
     # ------------------------------------------------------------ inspection

@@ -135,17 +135,24 @@ def test_gated_delta_rule_prefill_matches_the_reference(built, bounds, taps, K, 
 
 
 @pytest.mark.parametrize("bounds,taps", PREFILLS)
-def test_conv_prefill_matches_the_reference(built, bounds, taps):
-    T, C, W = max(e for _, e in bounds) + 2, 40, 4
+@pytest.mark.parametrize("dtype,activation", [(torch.float32, "silu"), (torch.bfloat16, "silu"),
+                                              (torch.float32, None)])
+def test_conv_prefill_matches_the_reference(built, bounds, taps, dtype, activation, monkeypatch):
+    """x and out in the model's dtype, read and written by the kernel as they are (bf16 too), the
+    SiLU fused; the rows of no sequence (a mixed step's decode rows: the last two) left alone."""
+    T, C, W = max(e for _, e in bounds) + 2, 70, 4         # 70 channels: a block of 64 and a rest
     gen = torch.Generator().manual_seed(T)
-    x, weight = torch.randn(T, C, generator=gen), torch.randn(C, W, generator=gen)
+    x, weight = torch.randn(T, C, generator=gen).to(dtype), torch.randn(C, W, generator=gen)
     slots = [3, 0, 6][: len(bounds)]
     pool = torch.randn(14, C, W - 1, generator=gen)
     want_pool, got_pool = pool.clone(), pool.clone()
-    want, got = torch.full((T, C), 7.0), torch.full((T, C), 7.0)
-    conv_packed_ref.causal_conv1d_prefill_slots(x, want, want_pool, weight, bounds, slots, taps)
-    conv_cpu.causal_conv1d_prefill_slots(x, got, got_pool, weight, bounds, slots, taps)
-    torch.testing.assert_close(got, want)
+    want, got = torch.full((T, C), 7.0, dtype=dtype), torch.full((T, C), 7.0, dtype=dtype)
+    conv_packed_ref.causal_conv1d_prefill_slots(x, want, want_pool, weight, bounds, slots, taps, activation)
+    with monkeypatch.context() as m:       # no fp32 copy of the rows, no separate activation
+        m.setattr(torch.nn.functional, "silu", lambda *a, **k: pytest.fail("a separate SiLU"))
+        conv_cpu.causal_conv1d_prefill_slots(x, got, got_pool, weight, bounds, slots, taps, activation)
+    tol = {} if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
+    torch.testing.assert_close(got, want, **tol)
     torch.testing.assert_close(got_pool, want_pool)
 
 
