@@ -56,13 +56,17 @@ async def _peer(url: str, points: list[tuple[int, int]], vocab: int) -> list[dic
 
 
 def run_scaling(model: str, against: str | None = None, siblings=SIBLINGS, preambles=PREAMBLES,
-                dtype: str = "auto") -> dict:
+                dtype: str = "auto", pause_peer: bool = True) -> dict:
+    from .peer import paused
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
     points = [(3000, n) for n in siblings] + [(p, 40) for p in preambles]
+    with paused(against, pause_peer) as stopped:     # a local peer: each side alone (peer.py)
+        ours = asyncio.run(_ours(model, points, vocab, dtype))
     out = {"model": model, "dtype": dtype, "points": [{"preamble": p, "siblings": n} for p, n in points],
-           "radixflow": asyncio.run(_ours(model, points, vocab, dtype))}
+           "radixflow": ours}
     if against:
-        out["against"] = {"url": against, "rows": asyncio.run(_peer(against.rstrip("/"), points, vocab))}
+        out["against"] = {"url": against, "rows": asyncio.run(_peer(against.rstrip("/"), points, vocab)),
+                          "paused_while_radixflow_ran": bool(stopped)}
         for a, b in zip(out["radixflow"], out["against"]["rows"]):
             if "wall_s" in b:
                 a["radixflow_wall_over_peer"] = round(a["wall_s"] / b["wall_s"], 3)

@@ -218,7 +218,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         out = run_structured(model, batch=16, rounds=a.rounds)
     elif a.which == "scaling":
         from radixflow.services.bench.scaling import run_scaling
-        out = run_scaling(model, a.against, dtype=a.dtype)
+        out = run_scaling(model, a.against, dtype=a.dtype, pause_peer=not a.no_pause_peer)
     elif a.which == "mixed":
         from radixflow.services.bench.mixed import run_mixed
         out = run_mixed(model, rounds=a.rounds)
@@ -257,7 +257,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     elif a.which == "shared-prefix":
         from radixflow.services.bench.shared_prefix import run_shared_prefix
         out = run_shared_prefix(model, a.preamble, a.suffix, a.requests, a.output_tokens, a.first_alone, a.against,
-                                dtype=a.dtype, repeats=a.repeats or 3)
+                                dtype=a.dtype, repeats=a.repeats or 3, pause_peer=not a.no_pause_peer)
     else:
         print(f"unknown benchmark {a.which!r}", file=sys.stderr)
         return 2
@@ -352,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fanout", type=int, default=8, help="serve agent: calls per program")
     p.add_argument("--against", default=None,
                    help="serve, shared-prefix: also run the workload on this OpenAI-compatible server URL")
+    p.add_argument("--no-pause-peer", action="store_true",
+                   help="shared-prefix, scaling: leave an --against server on this machine running while "
+                        "radixflow's side runs (by default it is paused: its idle polling slows a 2-core machine)")
     p.add_argument("--plot", default=None, help="serve: write throughput and TTFT curves to this PNG")
     p.add_argument("--interpret", action="store_true",
                    help="kernels: run on the CPU in Triton's interpreter at toy sizes (checks, times nothing)")

@@ -1,0 +1,108 @@
+"""A peer server on this machine, paused while radixflow's side of a comparison runs.
+
+Side-by-side benchmarks run one side after the other on one machine. radixflow's stack is down while
+the peer is measured, but the peer stays up while radixflow is: an idle vLLM-CPU wakes about 1,300
+times a second (its engine's polling threads), and on 2 cores each wakeup preempts one of the
+compute threads, whose parallel regions then wait for it. Measured on the agent workload (tiny-hybrid,
+bf16, served): 0.39 s with the peer idle beside it, 0.34 s with the peer stopped. So that each side
+has the machine to itself, the peer's processes (the one listening on the URL's port and all its
+descendants) get SIGSTOP for the duration and SIGCONT after. A peer elsewhere (or one whose
+processes this user may not signal) is left alone, and the result says so.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from pathlib import Path
+from urllib.parse import urlparse
+
+LOCAL = {"localhost", "127.0.0.1", "::1", "0.0.0.0"}
+
+
+def _listening_inodes(port: int) -> set[str]:
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            # local_address is HEX_IP:HEX_PORT, st 0A is LISTEN
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                out.add(f[9])
+    return out
+
+
+def _pids() -> list[int]:
+    return [int(d) for d in os.listdir("/proc") if d.isdigit()]
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for pid in _pids():
+        try:
+            # the fields after the command name, which is in parentheses and may hold spaces
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        kids.setdefault(ppid, []).append(pid)
+    return kids
+
+
+def local_processes(url: str) -> list[int]:
+    """The processes serving `url` on this machine: those holding its listening socket, and their
+    descendants (a vLLM server's engine core and workers). Empty for a remote URL, or where /proc
+    does not tell."""
+    u = urlparse(url)
+    if u.hostname not in LOCAL:
+        return []
+    port = u.port or (443 if u.scheme == "https" else 80)
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return []
+    me = os.getpid()
+    owners = set()
+    for pid in _pids():
+        if pid == me:
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                owners.add(pid)
+                break
+    kids, out, stack = _children(), [], sorted(owners)
+    while stack:
+        pid = stack.pop()
+        if pid not in out and pid != me:
+            out.append(pid)
+            stack.extend(kids.get(pid, []))
+    return out
+
+
+@contextlib.contextmanager
+def paused(url: str | None, enabled: bool = True):
+    """SIGSTOP the local peer's processes for the block, SIGCONT after (always). Yields the pids
+    paused (empty: nothing was)."""
+    pids = local_processes(url) if url and enabled else []
+    stopped = []
+    try:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            except OSError:
+                pass
+        yield stopped
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
