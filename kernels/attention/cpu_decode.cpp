@@ -16,6 +16,59 @@
 #include <algorithm>
 #include <cmath>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+// 16 lanes of a row in fp32, from its storage type
+template <typename IO>
+static inline __m512 load16(const typename IO::S* p);
+template <>
+inline __m512 load16<F32>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<BF16>(const uint16_t* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+// the scores and the weighted sum of one (sequence, kv head) with 16-lane vectors over the head
+// dim (D a multiple of 16, at most 256): a K or V row is loaded and converted once for the G query
+// heads that read it; the generic loops below left each score to a scalar reduction (5x slower)
+template <typename IO>
+static void rows_avx512(const float* qf, const typename IO::S* kp, const int64_t* slots, int64_t len, int64_t Hkv,
+                        int64_t h, int64_t G, int64_t D, float* s) {
+  const int64_t C = D / 16;
+  __m512 row[16];
+  for (int64_t j = 0; j < len; ++j) {
+    const typename IO::S* kr = kp + (slots[j] * Hkv + h) * D;
+    for (int64_t c = 0; c < C; ++c) row[c] = load16<IO>(kr + 16 * c);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), row[0]);
+      for (int64_t c = 1; c < C; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), row[c], a);
+      s[g * len + j] = _mm512_reduce_add_ps(a);
+    }
+  }
+}
+
+template <typename IO>
+static void weighted_avx512(const typename IO::S* vp, const int64_t* slots, int64_t len, int64_t Hkv, int64_t h,
+                            int64_t G, int64_t D, const float* s, float* acc) {
+  const int64_t C = D / 16;
+  __m512 row[16];
+  for (int64_t j = 0; j < len; ++j) {
+    const typename IO::S* vr = vp + (slots[j] * Hkv + h) * D;
+    for (int64_t c = 0; c < C; ++c) row[c] = load16<IO>(vr + 16 * c);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 pj = _mm512_set1_ps(s[g * len + j]);
+      float* ag = acc + g * D;
+      for (int64_t c = 0; c < C; ++c)
+        _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(pj, row[c], _mm512_loadu_ps(ag + 16 * c)));
+    }
+  }
+}
+#endif
 
 template <typename IO>
 static void decode_rows_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -34,7 +87,7 @@ static void decode_rows_impl(const at::Tensor& q, const at::Tensor& k_cache, con
   const float sc = static_cast<float>(scale);
   // one task per (sequence, kv head): its G query heads share every K/V row it reads
   at::parallel_for(0, N * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), kf(D), vf(D), s;
+    std::vector<float> qf(G * D), acc(G * D), kf(D), vf(D), s, m(G), l(G);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / Hkv, h = task % Hkv, len = lp[n];
       const int64_t* slots = tp + n * L;
@@ -42,7 +95,13 @@ static void decode_rows_impl(const at::Tensor& q, const at::Tensor& k_cache, con
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = IO::load(qp[(n * Hq + h * G + g) * D + d]) * sc;
       // scores s[g * len + j], then per head the max, the exponentials and their sum
       s.resize(G * len);
+#if defined(__AVX512F__)
+      const bool vec = D % 16 == 0 && D <= 256;
+      if (vec) rows_avx512<IO>(qf.data(), kp, slots, len, Hkv, h, G, D, s.data());
+      for (int64_t j = 0; j < (vec ? 0 : len); ++j) {
+#else
       for (int64_t j = 0; j < len; ++j) {
+#endif
         const S* kr = kp + (slots[j] * Hkv + h) * D;
         for (int64_t d = 0; d < D; ++d) kf[d] = IO::load(kr[d]);
         for (int64_t g = 0; g < G; ++g) {
@@ -53,14 +112,33 @@ static void decode_rows_impl(const at::Tensor& q, const at::Tensor& k_cache, con
           s[g * len + j] = a;
         }
       }
-      std::vector<float> m(G, -INFINITY), l(G, 0.f);
       for (int64_t g = 0; g < G; ++g) {
         float* sg = s.data() + g * len;
-        float mg = -INFINITY;
-        for (int64_t j = 0; j < len; ++j) mg = std::max(mg, sg[j]);
-        float lg = 0.f;
-#pragma omp simd reduction(+ : lg)
-        for (int64_t j = 0; j < len; ++j) {
+        float mg = -INFINITY, lg = 0.f;
+        int64_t j0 = 0;
+#if defined(__AVX512F__)
+        // 16 at a time: GCC left these loops scalar (a call-free exp, but a reduction it would not
+        // reorder), which was most of the kernel's time at a few hundred slots per row
+        if (len >= 16) {
+          __m512 mv = _mm512_set1_ps(-INFINITY);
+          int64_t j = 0;
+          for (; j + 16 <= len; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + j));
+          mg = _mm512_reduce_max_ps(mv);
+          for (; j < len; ++j) mg = std::max(mg, sg[j]);
+          const __m512 mb = _mm512_set1_ps(mg);
+          __m512 lv = _mm512_setzero_ps();
+          for (j = 0; j + 16 <= len; j += 16) {
+            const __m512 e = exp_fast16(_mm512_sub_ps(_mm512_loadu_ps(sg + j), mb));
+            _mm512_storeu_ps(sg + j, e);
+            lv = _mm512_add_ps(lv, e);
+          }
+          lg = _mm512_reduce_add_ps(lv);
+          j0 = j;
+        }
+#endif
+        if (j0 == 0)
+          for (int64_t j = 0; j < len; ++j) mg = std::max(mg, sg[j]);
+        for (int64_t j = j0; j < len; ++j) {
           sg[j] = exp_fast(sg[j] - mg);
           lg += sg[j];
         }
@@ -68,7 +146,12 @@ static void decode_rows_impl(const at::Tensor& q, const at::Tensor& k_cache, con
         l[g] = lg;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
+#if defined(__AVX512F__)
+      if (vec) weighted_avx512<IO>(vp, slots, len, Hkv, h, G, D, s.data(), acc.data());
+      for (int64_t j = 0; j < (vec ? 0 : len); ++j) {
+#else
       for (int64_t j = 0; j < len; ++j) {
+#endif
         const S* vr = vp + (slots[j] * Hkv + h) * D;
         for (int64_t d = 0; d < D; ++d) vf[d] = IO::load(vr[d]);
         for (int64_t g = 0; g < G; ++g) {

@@ -90,9 +90,8 @@ static void silu_mul_impl(const at::Tensor& h, at::Tensor& out) {
   });
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
-#define RF_BF16_VECTOR 1
 
 // exp_fast, 16 lanes at once (the same reduction and polynomial)
 static inline __m512 exp_fast16(__m512 x) {
@@ -111,6 +110,10 @@ static inline __m512 exp_fast16(__m512 x) {
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define RF_BF16_VECTOR 1
 
 static inline __m512 load_bf16x16(const uint16_t* p) {
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
