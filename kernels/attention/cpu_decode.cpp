@@ -96,7 +96,7 @@ static void decode_rows_impl(const at::Tensor& q, const at::Tensor& k_cache, con
       // scores s[g * len + j], then per head the max, the exponentials and their sum
       s.resize(G * len);
 #if defined(__AVX512F__)
-      const bool vec = D % 16 == 0 && D <= 256;
+      const bool vec = D % 16 == 0 && D >= 16 && D <= 256;
       if (vec) rows_avx512<IO>(qf.data(), kp, slots, len, Hkv, h, G, D, s.data());
       for (int64_t j = 0; j < (vec ? 0 : len); ++j) {
 #else
@@ -175,6 +175,19 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
                  const at::Tensor& lens, double scale, at::Tensor& o, at::Tensor& lse) {
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "decode_rows: q and the pool in one dtype");
+  // what the kernel reads, checked before it reads (the torch form raises on these too): a head
+  // size, a row length past its table row, a slot outside the pool
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && q.size(2) == k_cache.size(2) && v_cache.sizes() == k_cache.sizes()
+              && k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0, "decode_rows: shapes");
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == q.size(0) && lens.numel() == q.size(0), "decode_rows: table rows");
+  const int64_t L = table.size(1), S = k_cache.size(0);
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t n = 0; n < q.size(0); ++n) {
+    TORCH_CHECK(0 <= lp[n] && lp[n] <= L, "decode_rows: row ", n, " has ", lp[n], " slots in a table of ", L);
+    for (int64_t j = 0; j < lp[n]; ++j)
+      TORCH_CHECK(0 <= tp[n * L + j] && tp[n * L + j] < S, "decode_rows: slot ", tp[n * L + j], " outside the pool");
+  }
   if (q.scalar_type() == at::kBFloat16) return decode_rows_impl<BF16>(q, k_cache, v_cache, table, lens, scale, o, lse);
   TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_rows: fp32 or bf16");
   decode_rows_impl<F32>(q, k_cache, v_cache, table, lens, scale, o, lse);

@@ -51,10 +51,22 @@ def _children() -> dict[int, list[int]]:
     return kids
 
 
+def _ancestors() -> set[int]:
+    out, pid = set(), os.getpid()
+    while pid > 1:
+        out.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return out | {1}
+
+
 def local_processes(url: str) -> list[int]:
     """The processes serving `url` on this machine: those holding its listening socket, and their
-    descendants (a vLLM server's engine core and workers). Empty for a remote URL, or where /proc
-    does not tell."""
+    descendants (a vLLM server's engine core and workers). Empty for a remote URL, where /proc does
+    not tell, and where the socket's holder is init or an ancestor of this process (a supervisor's
+    socket activation, a shell's port forward): stopping those would stop more than the peer."""
     u = urlparse(url)
     if u.hostname not in LOCAL:
         return []
@@ -62,10 +74,10 @@ def local_processes(url: str) -> list[int]:
     inodes = _listening_inodes(port)
     if not inodes:
         return []
-    me = os.getpid()
+    mine = _ancestors()
     owners = set()
     for pid in _pids():
-        if pid == me:
+        if pid in mine:
             continue
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
@@ -82,18 +94,48 @@ def local_processes(url: str) -> list[int]:
     kids, out, stack = _children(), [], sorted(owners)
     while stack:
         pid = stack.pop()
-        if pid not in out and pid != me:
+        if pid not in out and pid not in mine:
             out.append(pid)
             stack.extend(kids.get(pid, []))
     return out
 
 
+def describe(pids: list[int]) -> list[str]:
+    """`pid name` of each, for the record of what was paused."""
+    out = []
+    for pid in pids:
+        try:
+            out.append(f"{pid} {Path(f'/proc/{pid}/comm').read_text().strip()}")
+        except OSError:
+            out.append(str(pid))
+    return out
+
+
+# resumes the pids given as arguments when its stdin closes: when the bench ends, however it ends
+# (a SIGKILL included), the peer is not left stopped
+_WATCHDOG = ("import os, signal, sys\nsys.stdin.read()\nfor p in sys.argv[1:]:\n"
+             "    try:\n        os.kill(int(p), signal.SIGCONT)\n    except OSError:\n        pass\n")
+
+
 @contextlib.contextmanager
 def paused(url: str | None, enabled: bool = True):
-    """SIGSTOP the local peer's processes for the block, SIGCONT after (always). Yields the pids
-    paused (empty: nothing was)."""
+    """SIGSTOP the local peer's processes for the block, SIGCONT after: at the block's end, on
+    SIGTERM or SIGHUP (turned into SystemExit meanwhile), and by a watchdog process if this one
+    dies outright. Yields the pids paused (empty: nothing was)."""
+    import subprocess
+    import sys
     pids = local_processes(url) if url and enabled else []
-    stopped = []
+    stopped: list[int] = []
+    if not pids:
+        yield stopped
+        return
+    watchdog = subprocess.Popen([sys.executable, "-c", _WATCHDOG, *map(str, pids)], stdin=subprocess.PIPE)
+
+    def leave(signum, _frame):
+        raise SystemExit(128 + signum)
+    import threading
+    handlers = {s: signal.signal(s, leave) for s in (signal.SIGTERM, signal.SIGHUP)} \
+        if threading.current_thread() is threading.main_thread() else {}
     try:
         for pid in pids:
             try:
@@ -106,3 +148,7 @@ def paused(url: str | None, enabled: bool = True):
         for pid in stopped:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGCONT)
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        watchdog.stdin.close()
+        watchdog.wait()

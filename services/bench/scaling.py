@@ -57,7 +57,7 @@ async def _peer(url: str, points: list[tuple[int, int]], vocab: int) -> list[dic
 
 def run_scaling(model: str, against: str | None = None, siblings=SIBLINGS, preambles=PREAMBLES,
                 dtype: str = "auto", pause_peer: bool = True) -> dict:
-    from .peer import paused
+    from .peer import describe, paused
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
     points = [(3000, n) for n in siblings] + [(p, 40) for p in preambles]
     with paused(against, pause_peer) as stopped:     # a local peer: each side alone (peer.py)
@@ -66,7 +66,7 @@ def run_scaling(model: str, against: str | None = None, siblings=SIBLINGS, pream
            "radixflow": ours}
     if against:
         out["against"] = {"url": against, "rows": asyncio.run(_peer(against.rstrip("/"), points, vocab)),
-                          "paused_while_radixflow_ran": bool(stopped)}
+                          "paused_while_radixflow_ran": describe(stopped)}
         for a, b in zip(out["radixflow"], out["against"]["rows"]):
             if "wall_s" in b:
                 a["radixflow_wall_over_peer"] = round(a["wall_s"] / b["wall_s"], 3)

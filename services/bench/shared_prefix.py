@@ -18,7 +18,7 @@ from radixflow.services.executor.models.spec import ModelSpec
 
 from .common import Timer, encoded, generate, served
 from .flops import measure_peak, request_flops
-from .peer import paused
+from .peer import describe, paused
 
 
 def workload(preamble: int, suffix: int, n: int, vocab: int, seed: int = 7) -> tuple[list[int], list[list[int]]]:
@@ -68,10 +68,17 @@ async def _side(model: str, runs: list, out_tokens: int, cache: bool, first_alon
                 await asyncio.gather(*(generate(http, base, b) for b in encoded([
                     {"input_ids": ids, "sampling_params": {"max_new_tokens": out_tokens, "temperature": 0,
                                                            "ignore_eos": True}} for ids in shaped(pre, sufs)])))
-                async with http.post(base + "/flush_cache", json={}) as resp:      # its pages are not the workload's
+                # its pages are not the workload's: flushed once its releases have reached radix
+                # (an answer comes back before the executor's next exchange releases its pages)
+                for _ in range(400):
+                    if not any(p.held for p in radix.pools.values()):
+                        break
+                    await asyncio.sleep(0.005)
+                async with http.post(base + "/flush_cache", json={}) as resp:
                     assert resp.status == 200, await resp.text()
                 for p in radix.pools.values():
                     p.peak_used = p.num_pages - p.free_pages
+                counted = dict(next(iter(radix.pools.values())).counters)   # the timed runs' counts: from here
             with Timer() as t:
                 rest = bodies
                 if first_alone:
@@ -82,7 +89,7 @@ async def _side(model: str, runs: list, out_tokens: int, cache: bool, first_alon
         peak = max(p.peak_used for p in radix.pools.values())
         page_size = stack.cfg.executor.page_size
         pool = next(iter(radix.pools.values()))
-        stats = pool.stats()
+        stats = {k: v - counted.get(k, 0) if k.endswith("_total") else v for k, v in pool.stats().items()}
         pre = runs[-1][0]
         preamble_states = [p for p in pool.tree.checkpoints_on("default", pre) if p <= len(pre)]
         async with http.get(base + "/v1/memory") as r:
@@ -177,7 +184,7 @@ def run_shared_prefix(model: str, preamble: int, suffix: int, n: int, out_tokens
         prompt = n * preamble + n * suffix
         on["prefix_hit_rate"] = round(1 - on["prefill_tokens_computed"] / prompt, 4)
         peer["radixflow_wall_over_peer"] = round(on["wall_s"] / peer["wall_s"], 3)
-        peer["paused_while_radixflow_ran"] = bool(stopped)
+        peer["paused_while_radixflow_ran"] = describe(stopped)
     out = {"model": model, "workload": {"preamble": preamble, "suffix": suffix, "requests": n,
                                          "output_tokens": out_tokens, "first_alone": first_alone, "runs": len(runs)},
             "dtype": on["dtype"], "gemm_peak_gflops": round(peak / 1e9, 1), "cache_on": on, "cache_off": off,

@@ -160,6 +160,7 @@ class RadixTree:
     def cut(self, node: Node, end: int, pos: int) -> Node:
         """The node ending at `pos` on the path to `node` (which ends at `end`; 0 < pos <= end),
         splitting the node that spans `pos`: what match(tokens[:pos]) returns, without matching."""
+        assert pos % self.page_size == 0 and 0 < pos <= end, (pos, end)
         while end - len(node.key) >= pos:
             end -= len(node.key)
             node = node.parent

@@ -148,8 +148,9 @@ def test_conv_prefill_matches_the_reference(built, bounds, taps, dtype, activati
     want_pool, got_pool = pool.clone(), pool.clone()
     want, got = torch.full((T, C), 7.0, dtype=dtype), torch.full((T, C), 7.0, dtype=dtype)
     conv_packed_ref.causal_conv1d_prefill_slots(x, want, want_pool, weight, bounds, slots, taps, activation)
-    with monkeypatch.context() as m:       # no fp32 copy of the rows, no separate activation
+    with monkeypatch.context() as m:       # the kernel: no reference, no separate activation
         m.setattr(torch.nn.functional, "silu", lambda *a, **k: pytest.fail("a separate SiLU"))
+        m.setattr(conv_cpu.packed, "causal_conv1d_prefill_slots", lambda *a, **k: pytest.fail("went to the reference"))
         conv_cpu.causal_conv1d_prefill_slots(x, got, got_pool, weight, bounds, slots, taps, activation)
     tol = {} if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
     torch.testing.assert_close(got, want, **tol)
@@ -213,6 +214,13 @@ def test_decode_attention_matches_the_reference(built, dtype, Hq, Hkv, D, monkey
     assert got.dtype == dtype and got.shape == q.shape
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(got.float(), want.float(), **tol)
+    # a table the kernel would read past is refused, as the reference refuses it
+    with pytest.raises(RuntimeError, match="slots in a table"):
+        attn_cpu.decode_attention(q, kc, vc, table, torch.tensor([1, 63, 501, 7]), D ** -0.5)
+    bad = table.clone()
+    bad[1, 0] = 700
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        attn_cpu.decode_attention(q, kc, vc, bad, torch.tensor(lens), D ** -0.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
