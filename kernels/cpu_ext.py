@@ -4,8 +4,10 @@ cpp_extension with g++ and ninja, about 30 s on 2 cores; kept in the environment
 _build_dir).
 
 The build runs in a background thread, started by the first `get()` (the first model step of a
-runner that picked the CPU kernels): a server starts at once and runs the torch references until
-the build is done, then the compiled ones (cpu.py in each kernel's folder asks `get()` per call). Where there is
+runner that picked the CPU kernels) or `wait()`: an executor waits for it before it serves
+(services/executor/service.py, up to kernel_build_wait_s), and an Engine made directly runs the
+torch references until the build is done, then the compiled ones (cpu.py in each kernel's folder
+asks `get()` per call). Where there is
 no compiler, the build fails once, with a warning, and the references stay. RADIXFLOW_CPU_KERNELS=0
 turns the build off. Benchmarks and tests `wait()` for it.
 """

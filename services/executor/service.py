@@ -87,6 +87,7 @@ class ExecutorService(Actor):
         # its pool with radix, which drops a pool whose heartbeats (from after on_start) are late
         from radixflow.services.grammar.backends import make_all
         backends, unavailable = await loop.run_in_executor(None, make_all, cfg.model)
+        await self._cpu_kernels(loop)
         pages = RemotePages(self.bus, loop, self.instance)
         self.engine = await loop.run_in_executor(self._thread, Engine, ecfg, pages)
         for name, why in unavailable.items():
@@ -106,6 +107,27 @@ class ExecutorService(Actor):
             if gain >= 1.5:
                 self.log.info("this CPU multiplies bf16 natively: --dtype bfloat16 serves faster, at bf16 precision",
                               bf16_matmul_speedup=round(gain, 2))
+
+    async def _cpu_kernels(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Where the runner will pick the CPU kernels, have them before serving: the first start
+        in an environment compiles them (~30 s on 2 cores), and a server that answered meanwhile
+        served its first requests on the torch references, slower, while the compiler took a
+        core (an agent workload's first run measured 1.0 against 0.9 s). Later starts load the
+        cached build at once; where no build is possible, wait() returns None and the references
+        serve, as before. Before the Engine exists: it registers with radix, which expects
+        heartbeats right after."""
+        from radixflow.kernels import cpu_ext
+        from radixflow.kernels.dispatch import pick
+        from .runner import pick_device
+        try:
+            cpu = pick(pick_device(self.cfg.device), self.cfg.kernels).name == "cpu"
+        except ValueError:
+            return                       # an impossible choice: the runner raises the clear error
+        if cpu and cpu_ext.enabled():
+            t0 = time.perf_counter()
+            built = await loop.run_in_executor(None, cpu_ext.wait, self.cfg.kernel_build_wait_s)
+            self.log.info("cpu kernels ready" if built is not None else "cpu kernels not ready: torch references serve",
+                          waited_s=round(time.perf_counter() - t0, 1))
 
     async def drain(self, timeout_s: float | None = None) -> None:
         # schedulers stop placing here first (the flag rides a beat sent now); what they sent
