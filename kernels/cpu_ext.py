@@ -38,6 +38,24 @@ def enabled() -> bool:
     return os.environ.get("RADIXFLOW_CPU_KERNELS", "1") != "0"
 
 
+STALE_LOCK_S = 600
+
+
+def _clear_stale_lock(d: str | None) -> None:
+    """torch's build holds a `lock` file in the build folder while it compiles; a build that was
+    killed leaves it there, and every later build waits on it forever (found in an environment whose
+    kernels had silently never built since). Older than any build takes, it is removed."""
+    import time
+    if d is None:
+        return
+    lock = Path(d) / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+    except OSError:
+        pass
+
+
 def _load():
     from torch.utils.cpp_extension import load_inline
     decls = ("void gdr_decode_depths(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, "
@@ -76,8 +94,10 @@ def _load():
     # (gateway, scheduler, radix) shares this process and would otherwise wait the kernel out
     binds = "".join(f'm.def("{f}", torch::wrap_pybind_function_no_gil({f}), "{f}");\n' for f in FUNCTIONS)
     module = f"PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{binds}}}\n"
+    build_dir = _build_dir()
+    _clear_stale_lock(build_dir)
     return load_inline("radixflow_cpu_kernels", cpp_sources=[src, decls, module],
-                       extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=_build_dir(), verbose=False)
+                       extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=build_dir, verbose=False)
 
 
 def _build_dir() -> str | None:

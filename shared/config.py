@@ -42,7 +42,7 @@ class ExecutorConfig:
     num_threads: int = 0              # torch intra-op threads; 0 = leave torch's default
     orphan_timeout_s: float = 3.5     # a request's scheduler silent this long: abort the request
     radix_wait_s: float = 15.0        # radix unreachable (restarting): waiting requests wait this long, then fail
-    kernel_build_wait_s: float = 300.0  # CPU kernels: the first start in an environment waits for their build
+    kernel_build_wait_s: float = 90.0   # CPU kernels: the first start in an environment waits for their build
     decode_reserve: int = 256         # output tokens reserved at admission (0: all of max_new_tokens); past
                                       # them requests grow page by page, preempted if the pool runs out
     state_slots: int = 0              # hybrid: DeltaNet state slots (0: 2 per running request + 64)
