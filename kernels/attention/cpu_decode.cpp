@@ -70,6 +70,39 @@ static void weighted_avx512(const typename IO::S* vp, const int64_t* slots, int6
 }
 #endif
 
+// the same two loops, plain: any head size (GCC vectorizes the reductions under omp simd); `row`
+// is scratch [D]
+template <typename IO>
+static void rows_plain(const float* qf, const typename IO::S* kp, const int64_t* slots, int64_t len, int64_t Hkv,
+                       int64_t h, int64_t G, int64_t D, float* s, float* row) {
+  for (int64_t j = 0; j < len; ++j) {
+    const typename IO::S* kr = kp + (slots[j] * Hkv + h) * D;
+    for (int64_t d = 0; d < D; ++d) row[d] = IO::load(kr[d]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      float a = 0.f;
+#pragma omp simd reduction(+ : a)
+      for (int64_t d = 0; d < D; ++d) a += qg[d] * row[d];
+      s[g * len + j] = a;
+    }
+  }
+}
+
+template <typename IO>
+static void weighted_plain(const typename IO::S* vp, const int64_t* slots, int64_t len, int64_t Hkv, int64_t h,
+                           int64_t G, int64_t D, const float* s, float* acc, float* row) {
+  for (int64_t j = 0; j < len; ++j) {
+    const typename IO::S* vr = vp + (slots[j] * Hkv + h) * D;
+    for (int64_t d = 0; d < D; ++d) row[d] = IO::load(vr[d]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = s[g * len + j];
+      float* ag = acc + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) ag[d] += p * row[d];
+    }
+  }
+}
+
 template <typename IO>
 static void decode_rows_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& table, const at::Tensor& lens, double scale, at::Tensor& o,
@@ -85,9 +118,12 @@ static void decode_rows_impl(const at::Tensor& q, const at::Tensor& k_cache, con
   float* op = o.data_ptr<float>();
   float* lsep = lse.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+#if defined(__AVX512F__)
+  const bool vec = D % 16 == 0 && D >= 16 && D <= 256;   // the 16-lane loops: whole vectors, row[16]
+#endif
   // one task per (sequence, kv head): its G query heads share every K/V row it reads
   at::parallel_for(0, N * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), kf(D), vf(D), s, m(G), l(G);
+    std::vector<float> qf(G * D), acc(G * D), row(D), s, m(G), l(G);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / Hkv, h = task % Hkv, len = lp[n];
       const int64_t* slots = tp + n * L;
@@ -96,22 +132,10 @@ static void decode_rows_impl(const at::Tensor& q, const at::Tensor& k_cache, con
       // scores s[g * len + j], then per head the max, the exponentials and their sum
       s.resize(G * len);
 #if defined(__AVX512F__)
-      const bool vec = D % 16 == 0 && D >= 16 && D <= 256;
       if (vec) rows_avx512<IO>(qf.data(), kp, slots, len, Hkv, h, G, D, s.data());
-      for (int64_t j = 0; j < (vec ? 0 : len); ++j) {
-#else
-      for (int64_t j = 0; j < len; ++j) {
+      else
 #endif
-        const S* kr = kp + (slots[j] * Hkv + h) * D;
-        for (int64_t d = 0; d < D; ++d) kf[d] = IO::load(kr[d]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
-          float a = 0.f;
-#pragma omp simd reduction(+ : a)
-          for (int64_t d = 0; d < D; ++d) a += qg[d] * kf[d];
-          s[g * len + j] = a;
-        }
-      }
+        rows_plain<IO>(qf.data(), kp, slots, len, Hkv, h, G, D, s.data(), row.data());
       for (int64_t g = 0; g < G; ++g) {
         float* sg = s.data() + g * len;
         float mg = -INFINITY, lg = 0.f;
@@ -148,24 +172,14 @@ static void decode_rows_impl(const at::Tensor& q, const at::Tensor& k_cache, con
       std::fill(acc.begin(), acc.end(), 0.f);
 #if defined(__AVX512F__)
       if (vec) weighted_avx512<IO>(vp, slots, len, Hkv, h, G, D, s.data(), acc.data());
-      for (int64_t j = 0; j < (vec ? 0 : len); ++j) {
-#else
-      for (int64_t j = 0; j < len; ++j) {
+      else
 #endif
-        const S* vr = vp + (slots[j] * Hkv + h) * D;
-        for (int64_t d = 0; d < D; ++d) vf[d] = IO::load(vr[d]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = s[g * len + j];
-          float* ag = acc.data() + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] += p * vf[d];
-        }
-      }
+        weighted_plain<IO>(vp, slots, len, Hkv, h, G, D, s.data(), acc.data(), row.data());
       for (int64_t g = 0; g < G; ++g) {
-        const int64_t row = n * Hq + h * G + g;
+        const int64_t r = n * Hq + h * G + g;
         const float inv = len > 0 ? 1.f / l[g] : 0.f;
-        for (int64_t d = 0; d < D; ++d) op[row * D + d] = acc[g * D + d] * inv;
-        lsep[row] = len > 0 ? m[g] + std::log(l[g]) : -INFINITY;
+        for (int64_t d = 0; d < D; ++d) op[r * D + d] = acc[g * D + d] * inv;
+        lsep[r] = len > 0 ? m[g] + std::log(l[g]) : -INFINITY;
       }
     }
   });
