@@ -61,3 +61,38 @@ def test_a_grant_never_hands_out_pages_an_earlier_grant_of_the_same_admission_ev
     pages = [p for g in reply.grants for p in g.pages]
     assert len(pages) == len(set(pages)), reply.grants
     assert [g.rid for g in reply.grants] == ["a"]            # b waits: its prefix was evicted for a
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_waiting_request_sends_its_prompt_to_the_pool_once(models, overlap):
+    """A burst sharing a preamble waits steps for it (shared-prefix): each prompt goes to the pool
+    in the first message only, later ones name the request (Candidate.known); a pool that forgets
+    the prompts it kept defers those as "unknown" and gets them again, with the same outputs."""
+    from radixflow.services.executor import pages as P
+    kw = dict(model=models["tiny-dense"], page_size=16, max_total_tokens=64 * 16, max_running_requests=8,
+              max_prefill_tokens=512, overlap=overlap, warmup_tokens=0)
+    pre = prompt(7, 200)
+    reqs = lambda: [req(f"r{i}", pre + prompt(100 + i, 20), max_new_tokens=4, ignore_eos=True) for i in range(6)]
+    sent, known = {}, {}
+
+    class Counting(P.LocalPages):
+        def step(self, msg):
+            for c in msg.candidates:
+                sent[c.rid] = sent.get(c.rid, 0) + bool(c.token_ids)
+                known[c.rid] = known.get(c.rid, 0) + c.known
+            return super().step(msg)
+
+    unknown = []
+
+    class Forgetful(P.LocalPages):
+        def step(self, msg):
+            self.pool._kept = {}
+            reply = super().step(msg)
+            unknown.extend(d.rid for d in reply.deferred if d.reason == "unknown")
+            return reply
+    got, _ = drive(Engine(EngineConfig(**kw), pages=Counting()), reqs())
+    want, _ = drive(Engine(EngineConfig(**kw), pages=Forgetful()), reqs())
+    assert got == want and all(len(v) == 4 for v in got.values())
+    assert unknown
+    assert sent == {f"r{i}": 1 for i in range(6)}
+    assert sum(known.values()) >= 5         # the five that waited for the preamble asked again by name

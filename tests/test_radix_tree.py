@@ -361,3 +361,28 @@ def test_parting_point_of_a_grant():
     assert pool._parting_point(b, 44, [b, cc]) == 0     # c shares nothing past 44
     assert pool._parting_point(e, 0, cands) == 4        # identical prompts: all but the last token
     assert pool._parting_point(d, 0, cands) == 0        # alone in its namespace
+
+
+def test_a_deferred_candidate_comes_back_without_its_prompt():
+    """Candidate.known: the pool keeps the prompts of the candidates it deferred in a step, for the
+    next step only; one sent `known` that it does not have is deferred as "unknown"."""
+    from radixflow.shared.messages import RadixStep
+    pre = list(range(100, 164))
+    cands = [Candidate(rid=f"r{i}", namespace="n", token_ids=pre + [i, i + 1], reserve=2) for i in range(4)]
+    ref = lambda c: Candidate(rid=c.rid, namespace="n", token_ids=[], reserve=2, known=True)
+    step = lambda pool, cs, **kw: pool.step(RadixStep(pool="p", budget=10**6, max_admit=8, candidates=cs, **kw))
+    pools = PagePool(64, 4), PagePool(64, 4)
+    for pool, second in zip(pools, ([ref(c) for c in cands[1:]], cands[1:])):
+        first = step(pool, cands)
+        assert [g.rid for g in first.grants] == ["r0"]
+        assert [(d.rid, d.reason) for d in first.deferred] == [(c.rid, "shared-prefix") for c in cands[1:]]
+        r = step(pool, second, progress=[Progress(rid="r0", computed=66)])
+        assert [(g.rid, g.cached_tokens) for g in r.grants] == [("r1", 64), ("r2", 64), ("r3", 64)]
+    assert pools[0].held["r2"].tokens == pools[1].held["r2"].tokens == cands[2].token_ids
+    pool = PagePool(64, 4)
+    step(pool, cands)                                          # r1..r3 kept
+    r = step(pool, [ref(cands[1])])                            # r2, r3 not asked for: forgotten
+    assert [(d.rid, d.reason) for d in r.deferred] == [("r1", "shared-prefix")]
+    r = step(pool, [ref(cands[1]), ref(cands[2]), ref(Candidate(rid="x", namespace="n", token_ids=[1], reserve=0))])
+    assert [(d.rid, d.reason) for d in r.deferred] == [("r1", "shared-prefix"), ("r2", "unknown"), ("x", "unknown")]
+    assert pool._kept.keys() == {"r1"}

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from radixflow.shared.messages import Candidate, Demote, Grant, Grow, Progress, RadixStep, Release
+from radixflow.shared.messages import Candidate, Deferred, Demote, Grant, Grow, Progress, RadixStep, Release
 
 from .sequence import Sequence, Status
 
@@ -77,19 +77,24 @@ class Batcher:
             # a program's child waits while its parent runs here; the parent's release, earlier in
             # the same message as the child's candidacy, caches the prefix the child continues from
             live = {s.rid for s in self.running} | {s.rid for s in self.waiting}
-            # the message carries every candidate's prompt: cap it well under NATS's max_payload
+            # the message carries the prompts the pool does not have: cap it well under NATS's max_payload
             tokens = 0
             for s in self.waiting:
                 if s.after and s.after in live:
                     held += 1
                     continue
-                if len(cands) >= self.max_candidates or (cands and tokens + len(s.tokens) > self.max_candidate_tokens):
+                sent = 0 if s.known else len(s.tokens)
+                if len(cands) >= self.max_candidates or (cands and tokens + sent > self.max_candidate_tokens):
                     break
-                tokens += len(s.tokens)
-                cands.append(Candidate(rid=s.rid, namespace=s.namespace, token_ids=s.tokens,
+                tokens += sent
+                cands.append(Candidate(rid=s.rid, namespace=s.namespace, token_ids=[] if s.known else s.tokens,
                                        reserve=self.reserve(s), checkpoint_at=s.checkpoint_at,
-                                       priority=s.priority, quota_pages=s.quota_pages,
+                                       priority=s.priority, quota_pages=s.quota_pages, known=s.known,
                                        max_cached=max(s.logprob_start - 1, 0) if s.logprob_start >= 0 else -1))
+        # the pool keeps the prompts of this message's candidates only: any other must bring its own
+        asked = {c.rid for c in cands}
+        for s in self.waiting:
+            s.known = s.known and s.rid in asked
         self._unasked = bool(cands) and len(cands) < min(len(self.waiting) - held, slots)
         if not (cands or self.progress or self.releases or self.unpins or self.demotes or self.grows):
             return None
@@ -124,6 +129,7 @@ class Batcher:
         self.releases.append(Release(rid=seq.rid, output_ids=seq.tokens[seq.prefill_len:], computed=seq.computed_len,
                                      tail=seq.tail_pos))
         seq.resume_len = len(seq.tokens)
+        seq.known = False            # its tokens grew: the pool never had these
         seq.logprob_start = -1       # its prompt logprobs were collected by its first prefill
         seq.status = Status.WAITING
         seq.pages, seq.slots, seq.cached_len, seq.computed_len = [], None, 0, 0
@@ -132,12 +138,16 @@ class Batcher:
         self.waiting.appendleft(seq)
         self._retry = True
 
-    def apply(self, grants: list[Grant], retry: bool) -> list[Sequence]:
+    def apply(self, grants: list[Grant], retry: bool, deferred: list[Deferred] = ()) -> list[Sequence]:
         by_rid = {s.rid: s for s in self.waiting}
+        for d in deferred:          # kept by the pool, but for those it no longer knew
+            if (s := by_rid.get(d.rid)) is not None:
+                s.known = d.reason != "unknown"
         started = []
         for g in grants:
             seq = by_rid[g.rid]
             self.waiting.remove(seq)
+            seq.known = False
             seq.pages, seq.cached_len, seq.computed_len = list(g.pages), g.cached_tokens, g.cached_tokens
             seq.state_slot, seq.restore_slot, seq.tail_slot = g.state_slot, g.restore_slot, g.tail_slot
             seq.checkpoints = dict(zip(g.checkpoints, g.checkpoint_slots))
@@ -204,6 +214,8 @@ class Batcher:
             seq = next((s for s in self.running if s.rid == g.rid), None)
             if seq is not None:
                 seq.growing = False
+        for s in self.waiting:     # whatever the pool kept may be gone with it: prompts in full again
+            s.known = False
         self._retry = self._retry or bool(msg.candidates)
 
     def rejoined(self, again: list[Sequence]) -> None:
@@ -219,6 +231,8 @@ class Batcher:
             seq.state_slot, seq.restore_slot, seq.tail_slot, seq.tail_pos = -1, -1, -1, 0
             seq.state_ready, seq.checkpoints = False, {}
             self.waiting.appendleft(seq)
+        for s in self.waiting:     # a new authority knows no prompt
+            s.known = False
         self._retry = True
 
     def fail_all(self) -> list[Sequence]:

@@ -64,8 +64,8 @@ class RadixExchange(_Base):
             lost = [s for s in self.batcher.waiting if s.rid in cands]
             return [self._error(s, e.code, f"no KV pages: {e.message}") for s in lost]
         self._radix_down_since = 0.0
-        started = self.batcher.apply(reply.grants, retry=any(d.reason in ("budget", "shared-prefix")
-                                                             for d in reply.deferred))
+        started = self.batcher.apply(reply.grants, retry=any(d.reason in ("budget", "shared-prefix", "unknown")
+                                                             for d in reply.deferred), deferred=reply.deferred)
         for rid, pages in reply.grown.items():
             seq = self._live.get(rid)
             if seq is not None and seq.status == Status.RUNNING and seq.growing:

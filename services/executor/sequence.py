@@ -60,6 +60,7 @@ class Sequence:
     pin_ttl_s: float = 0.0
     discard: bool = False        # cancelled branch: cache nothing more at release
     after: str = ""              # programs: not admitted while this request is live here (its parent)
+    known: bool = False          # waiting: the pool deferred it last step and kept its prompt (Candidate.known)
     quiet: bool = False          # report the first output and the last only (ExecRequest.quiet)
     logprob_start: int = -1      # >= 0: collect logprobs of prompt tokens from here on ...
     input_logprobs: list[float] = field(default_factory=list)   # ... in order

@@ -44,6 +44,8 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
+
 from radixflow.shared.messages import (Candidate, Deferred, Grant, Grow, HeldPages, Progress, RadixStep, RadixStepReply,
                                        Release)
 
@@ -93,6 +95,7 @@ class PagePool(Pins):
         # a later candidate with the same next page waits for that instead of computing it too
         self.computing: dict[tuple, str] = {}
         self.pins: dict[str, tuple[Node, float]] = {}     # key -> (locked node, monotonic deadline)
+        self._kept: dict[str, list[int]] = {}             # rid -> prompt: last step's deferred candidates
         self._unpinned: deque[str] = deque(maxlen=4096)   # unpinned before their release arrived
         self.counters = {"evicted_pages_total": 0, "state_checkpoints_total": 0, "state_restores_total": 0,
                          "state_recomputed_tokens_total": 0, "evicted_states_total": 0,
@@ -187,11 +190,29 @@ class PagePool(Pins):
                 short.append(g.rid)
             else:
                 grown[g.rid] = pages
-        grants, deferred = self.admit(msg.candidates, msg.budget, msg.max_admit)
+        cands, unknown = self._recall(msg.candidates)
+        grants, deferred = self.admit(cands, msg.budget, msg.max_admit)
+        prompts = {c.rid: c.token_ids for c in cands}
+        self._kept = {d.rid: prompts[d.rid] for d in deferred}
+        deferred += unknown
         # pages only leave the free list in admit (grants), so its high-water mark is seen here
         self.peak_used = max(self.peak_used, self.num_pages - len(self._free))
         return RadixStepReply(grants=grants, deferred=deferred, grown=grown, short=short, free_pages=self.free_pages,
                               evictable_pages=self.tree.evictable_pages)
+
+    def _recall(self, cands: list[Candidate]) -> tuple[list[Candidate], list[Deferred]]:
+        """Candidates with their prompts: those sent `known` get the one kept from the step before
+        (the candidates deferred there); one this pool no longer has is deferred as "unknown", and
+        the executor sends its prompt with the next step."""
+        full, unknown = [], []
+        for c in cands:
+            if not c.known:
+                full.append(c)
+            elif (ids := self._kept.get(c.rid)) is not None:
+                full.append(msgspec.structs.replace(c, token_ids=ids, known=False))
+            else:
+                unknown.append(Deferred(rid=c.rid, cached_tokens=0, reason="unknown"))
+        return full, unknown
 
     def grow(self, g: Grow) -> list[int] | None:
         """More pages for a running request (evicting cached ones if need be); None if none can be had."""

@@ -47,7 +47,10 @@ class RadixAdopt(Msg):
 
 
 class Candidate(Msg):
-    """A waiting request the executor would like to start."""
+    """A waiting request the executor would like to start. A candidate the pool deferred in the
+    previous step comes back without its prompt (`known`): the pool kept it. An agent's burst
+    waits some steps for its preamble, and re-sending forty 3,100-token prompts at every step was
+    most of the bytes of the exchange (685 KB a run), encoded on the compute thread."""
     rid: str
     namespace: str
     token_ids: list[int]
@@ -56,6 +59,7 @@ class Candidate(Msg):
     priority: int = 0                 # higher first; among equals, longest cached prefix first
     max_cached: int = -1              # >= 0: reuse at most this many tokens (prompt logprobs need the rest)
     quota_pages: int = 0              # > 0: the namespace's owner may keep at most this many cached pages
+    known: bool = False               # token_ids left out: the pool has them from the step before
 
 
 class Progress(Msg):
@@ -119,7 +123,7 @@ class Grant(Msg):
 class Deferred(Msg):
     rid: str
     cached_tokens: int
-    reason: str                       # memory | budget | slots | shared-prefix
+    reason: str                       # memory | budget | slots | shared-prefix | unknown (its prompt, again)
 
 
 class RadixStepReply(Msg):
