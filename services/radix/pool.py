@@ -255,12 +255,14 @@ class PagePool(Pins):
         grants: list[Grant] = []
         deferred: list[Deferred] = []
         blocked = False
-        evictions = lambda: (self.counters["evicted_pages_total"], self.counters["evicted_states_total"])
-        evicted = evictions()
+        evicted = self.counters["evicted_pages_total"]
         for c, m, cached in matches:
-            if m is not None and evictions() != evicted:
+            if m is not None and (self.counters["evicted_pages_total"] != evicted
+                                  or m.state_node is not None and m.state_node.state is None):
                 # an earlier grant of this admission evicted cached pages to get its own: this
-                # match may name some of them (freed, and maybe granted already): match again
+                # match may name some of them (freed, and maybe granted already), or the state
+                # it would resume from: match again. (An agent's burst on a hybrid model short of
+                # state slots evicts a few; matching all the rest again cost 2.7 ms a burst.)
                 m, cached = self._match(c)
             reason = None
             nxt = self._next_page(c, cached) if self.cache else None
