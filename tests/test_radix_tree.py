@@ -17,6 +17,26 @@ NAMESPACES = ["tenant-a", "tenant-b"]
 tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=14)   # tiny alphabet: prefixes collide often
 
 
+def walk_victims(tree, n_pages: int) -> list:
+    """The leaves evict(n_pages) takes, in order, found as before its LRU heap: every unlocked leaf
+    by a walk of the whole tree, least recent first (ties: id), a parent joining once it is a leaf."""
+    import heapq
+    left = {id(x): len(x.children) for x in tree.nodes()}
+    heap = [(x.last_access, id(x), x) for x in tree.nodes() if not x.children and x.lock == 0]
+    heapq.heapify(heap)
+    out, freed = [], 0
+    while heap and freed < n_pages:
+        _, _, leaf = heapq.heappop(heap)
+        out.append(leaf)
+        freed += len(leaf.pages)
+        p = leaf.parent
+        if not p.is_root:
+            left[id(p)] -= 1
+            if left[id(p)] == 0 and p.lock == 0:
+                heapq.heappush(heap, (p.last_access, id(p), p))
+    return [type("Victim", (), {"pages": list(x.pages)}) for x in out]
+
+
 class PoolMachine(RuleBasedStateMachine):
     PAGE = 1
     PAGES = 24
@@ -106,7 +126,30 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 10))
     def evict(self, n):
-        self.track(lambda: self.pool._freed(self.pool.tree.evict(n)))
+        want = [p for leaf in walk_victims(self.pool.tree, n) for p in leaf.pages]
+        ev = self.track(lambda: self.pool.tree.evict(n))
+        self.pool._freed(ev)
+        assert ev.pages == want            # the LRU heap evicts what a walk of the whole tree would
+
+    @rule(i=st.integers(0, 1000))
+    def reuse_a_cached_path(self, i):
+        """A match touches a whole cached path (a request that reuses it, then ends): its leaf is
+        now the most recent, whatever the LRU heap filed for it before."""
+        leaves = [n for n in self.pool.tree.nodes() if not n.children]
+        if leaves:
+            n, keys = leaves[i % len(leaves)], []
+            while not n.is_root:
+                keys.append(n.key)
+                n = n.parent
+            toks = [t for key in reversed(keys) for t in key]
+            assert self.pool.tree.match(n.namespace, toks, split=False).length == len(toks)
+
+    @rule(i=st.integers(0, 1000))
+    def demote(self, i):
+        """A cancelled branch's path goes first (release with discard does this)."""
+        unlocked = [n for n in self.pool.tree.nodes() if n.lock == 0 and not n.children]
+        if unlocked:
+            self.pool.tree.demote(unlocked[i % len(unlocked)], 0)
 
     @rule()
     def flush(self):
@@ -139,6 +182,17 @@ class PoolMachine(RuleBasedStateMachine):
     def locked_pages_stay_cached(self):
         cached = set(self.tree_content().values())
         assert self.locked_pages() <= cached
+
+    @invariant()
+    def every_unlocked_leaf_is_in_the_lru_heap(self):
+        """...with an entry no newer than its last access (an older one is re-filed when popped)."""
+        tree = self.pool.tree
+        filed: dict[int, int] = {}
+        for t, _, n in tree._lru:
+            filed[id(n)] = min(t, filed.get(id(n), t))
+        for n in tree.nodes():
+            if n.lock == 0 and not n.children:
+                assert id(n) in filed and filed[id(n)] <= n.last_access
 
     @invariant()
     def a_running_request_knows_where_its_node_ends(self):

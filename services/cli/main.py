@@ -206,7 +206,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     import json
     from radixflow.services.bench.common import resolve_model
     model = resolve_model(a.model or ("tiny-dense" if a.which in ("shared-prefix", "scaling", "routing") else "tiny-hybrid")) \
-        if a.which not in ("program", "sampler", "kernels") else None
+        if a.which not in ("program", "sampler", "kernels", "evict") else None
     if a.which == "decode":
         from radixflow.services.bench.decode import run_decode
         out = run_decode(model, [int(b) for b in a.batch.split(",")], a.prompt_len, a.new_tokens)
@@ -233,6 +233,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from radixflow.services.bench.routing import run_routing
         out = run_routing(model, [int(x) for x in a.executors.split(",")], a.preambles, a.calls, a.preamble, a.suffix,
                           a.output_tokens)
+    elif a.which == "evict":
+        from radixflow.services.bench.evict import run_evict
+        out = run_evict(admissions=a.repeats or 300)
     elif a.which == "sampler":
         from radixflow.services.bench.sampler import run_sampler
         out = run_sampler(batch=a.rows, vocab=a.vocab, repeats=a.repeats or 20)
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_memory)
     p = sub.add_parser("bench", help="benchmarks, each beside its baseline in one run")
-    p.add_argument("which", help="decode | latency | shared-prefix | scaling | structured | mixed | program | sampler | schemas | serve | kernels | routing")
+    p.add_argument("which", help="decode | latency | shared-prefix | scaling | structured | mixed | program | sampler | schemas | serve | kernels | routing | evict")
     p.add_argument("dir", nargs="?", help="schemas: a directory of *.json JSON Schemas")
     p.add_argument("--model", default=None, help="a preset (tiny-dense, tiny-hybrid) or a model directory "
                                                  "(default: tiny-dense for shared-prefix, both for program "
