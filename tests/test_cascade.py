@@ -183,3 +183,48 @@ def test_flash_own_parts_match_their_references(dtype, monkeypatch):
     for j, n in enumerate(news):        # padded query rows are never read
         torch.testing.assert_close(o1[j, :n], o2[j, :n], **tol)
         torch.testing.assert_close(l1[j, :n], l2[j, :n], **tol)
+
+
+def test_shared_prefixes_equals_the_page_by_page_comparison():
+    """shared_prefixes compares page tables by slices (and bisects where they part); the groups are
+    those of comparing them page by page."""
+    import random
+
+    def by_page(tables, limits, ps, singles=True):
+        by_first = {}
+        for i, (t, lim) in enumerate(zip(tables, limits)):
+            if t and lim >= ps:
+                by_first.setdefault(t[0], []).append(i)
+        out = []
+        for members in by_first.values():
+            n = min(limits[i] for i in members) // ps
+            first = tables[members[0]]
+            for i in members[1:]:
+                k = 0
+                while k < n and tables[i][k] == first[k]:
+                    k += 1
+                n = k
+            run = 1
+            while run < n and first[run] == first[run - 1] + 1:
+                run += 1
+            if len(members) == 1:
+                if not singles:
+                    continue
+                n = run
+            if n * ps < (64 if len(members) > 1 else 512):
+                continue
+            out.append((members, first[:n], first[0] * ps if run >= n else -1))
+        return out
+    rng = random.Random(0)
+    for _ in range(300):
+        ps = rng.choice([1, 4, 16])
+        base = list(range(rng.randrange(100), 200)) if rng.random() < 0.5 else rng.sample(range(1000), 150)
+        tables, limits = [], []
+        for _ in range(rng.randrange(1, 8)):
+            cut = rng.randrange(len(base) + 1)
+            tables.append(base[:cut] + rng.sample(range(2000, 3000), rng.randrange(0, 20)))
+            limits.append(rng.randrange(0, len(tables[-1]) * ps + 1))
+        for singles in (True, False):
+            got = [(g.seqs, (g.slots[::ps] // ps).tolist(), g.start)
+                   for g in shared_prefixes(tables, limits, ps, torch.device("cpu"), singles=singles)]
+            assert got == by_page(tables, limits, ps, singles), (tables, limits, ps)

@@ -73,12 +73,21 @@ def shared_prefixes(tables: list[list[int]], limits: list[int], page_size: int,
     for members in by_first.values():
         n = min(limits[i] for i in members) // page_size
         first = tables[members[0]]
+        head = first[:n]
         for i in members[1:]:
-            t, k = tables[i], 0
-            while k < n and t[k] == first[k]:
-                k += 1
-            n = k
-        run = 1
+            # slices compare in C: a whole shared prefix at once (40 tables of 190 pages at every
+            # decode step were 0.5 ms of Python), and a bisection where a table parts earlier
+            t = tables[i]
+            if t[:n] != head:
+                lo, hi = 0, n             # t and first share their first lo pages, not their first hi
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if t[:mid] == first[:mid]:
+                        lo = mid
+                    else:
+                        hi = mid
+                n, head = lo, first[:lo]
+        run = n if n and head == list(range(first[0], first[0] + n)) else 1
         while run < n and first[run] == first[run - 1] + 1:
             run += 1
         if len(members) == 1:
