@@ -70,8 +70,8 @@ def check_request(r: GenerateRequest) -> None:
         raise BadRequest("the prompt is empty", param="text")
     if r.input_ids is not None and not r.input_ids:
         raise BadRequest("input_ids is empty", param="input_ids")
-    if r.input_ids is not None and min(r.input_ids) < 0:
-        raise BadRequest("input_ids must be non-negative token ids", param="input_ids")
+    # input_ids >= 0: checked by the message type (TokenId) as it is decoded, and by the gateway
+    # (protocol.token_ids) before it builds one
     if r.messages is not None and not r.messages:
         raise BadRequest("messages is empty", param="messages")
     check_sampling(r.sampling)

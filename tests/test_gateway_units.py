@@ -90,3 +90,27 @@ def test_openai_logprob_shapes():
     assert comp["tokens"] == ["!", "he", "llo"] and comp["text_offset"] == [0, 1, 3]
     assert comp["token_logprobs"] == [None, -0.1, -0.2] and comp["top_logprobs"][0] is None
     assert comp["top_logprobs"][2] == {"llo": -0.2, "he": -3.0}
+
+
+def test_token_ids_are_checked_in_c_with_the_same_errors():
+    from radixflow.shared.errors import BadRequest
+    assert P.token_ids([0, 5, 70000], "input_ids", "bad") == [0, 5, 70000]
+    for raw, needle in (([1, -2], "non-negative"), ([1, True], "bad"), ([1, 2.0], "bad"), ([1, "3"], "bad"),
+                        ([[1]], "bad"), ("12", "bad")):
+        with pytest.raises(BadRequest, match=needle):
+            P.token_ids(raw, "input_ids", "bad")
+    assert P.prompts([3, 4]) == [[3, 4]] and P.prompts([[3], [4, 5]]) == [[3], [4, 5]] and P.prompts(["a", "b"]) == ["a", "b"]
+    for raw, needle in (([3, -4], "non-negative"), ([True, 2], "prompt must be"), ([[3], []], "prompt must be"),
+                        ([[3], [True]], "prompt must be"), (["a", 3], "prompt must be")):
+        with pytest.raises(BadRequest, match=needle):
+            P.prompts(raw)
+
+
+def test_a_negative_token_id_fails_to_decode_as_a_message():
+    import msgspec
+    from radixflow.shared import messages as M
+    from radixflow.shared.messages import ExecRequest, GenerateRequest, SamplingParams
+    for msg in (GenerateRequest(rid="a", stream_subject="s", input_ids=[1, -1]),
+                ExecRequest(rid="a", input_ids=[1, -1], sampling=SamplingParams())):
+        with pytest.raises(msgspec.ValidationError, match=">= 0"):
+            M.decode(M.encode(msg), type(msg))

@@ -56,11 +56,8 @@ def requests_of(body: P.GenerateBody) -> list[tuple[GenerateRequest, dict]]:
     if body.text is not None:
         prompts: list[Any] = body.text if isinstance(body.text, list) else [body.text]
     else:
-        prompts = body.input_ids if batch else [body.input_ids]
-        for p in prompts:
-            # type() is int excludes bool; map/set run in C (a 3,000-token prompt: ~40 us, not ~300)
-            if not isinstance(p, list) or not set(map(type, p)) <= {int}:
-                raise BadRequest("input_ids must be a list of token ids or a list of such lists", param="input_ids")
+        prompts = [P.token_ids(p, "input_ids", "input_ids must be a list of token ids or a list of such lists")
+                   for p in (body.input_ids if batch else [body.input_ids])]
     if not prompts:
         raise BadRequest("the batch is empty", param="text")
     if batch and body.stream:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Msg
-from .requests import StreamChunk, StreamError, TenantLimits
+from .requests import StreamChunk, StreamError, TenantLimits, TokenId
 
 
 # ---------------------------------------------------------------- programs
@@ -41,7 +41,7 @@ class NodeSelect(Msg, forbid_unknown_fields=True):
 class ProgramNode(Msg, forbid_unknown_fields=True):
     id: str
     text: str = ""
-    input_ids: list[int] | None = None   # token ids to append instead of text
+    input_ids: list[TokenId] | None = None   # token ids to append instead of text
     parent: str | None = None
     after: list[str] = []
     gen: NodeGen | None = None

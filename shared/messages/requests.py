@@ -1,9 +1,15 @@
 """A request's path: gateway -> scheduler -> tokenizer, grammar -> executor, and its output stream."""
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from .base import Msg
+
+# A token id, checked (>= 0, an int, not a bool) by msgspec in C as a message is decoded: the services
+# need not scan a 3,000-token prompt again in Python (each such scan is ~30 us, several per request)
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
 
 
 # ---------------------------------------------------------------- sampling
@@ -61,7 +67,7 @@ class GenerateRequest(Msg):
     stream_subject: str
     text: str | None = None
     messages: list[ChatMessage] | None = None
-    input_ids: list[int] | None = None
+    input_ids: list[TokenId] | None = None
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     tenant: str = "default"           # who is accounted (limits, metrics)
     cache_salt: str | None = None
@@ -176,7 +182,7 @@ class TokenizerInfo(Msg):
 
 class ExecRequest(Msg):
     rid: str
-    input_ids: list[int]
+    input_ids: list[TokenId]
     sampling: SamplingParams
     eos_token_ids: list[int] = []
     namespace: str = "default"        # cache namespace: tenant (or its group) plus optional "/" cache_salt
