@@ -96,3 +96,40 @@ def test_a_waiting_request_sends_its_prompt_to_the_pool_once(models, overlap):
     assert unknown
     assert sent == {f"r{i}": 1 for i in range(6)}
     assert sum(known.values()) >= 5         # the five that waited for the preamble asked again by name
+
+
+def test_admission_waits_for_the_requests_a_burst_announced(models):
+    """ExecRequest.burst: the scheduler still held that many submissions when it sent this one.
+    Admission waits for them (here with no gap wait at all, so without the announcement the first
+    request would be admitted alone), and stops waiting at burst_wait_s for any that never come."""
+    import threading
+    import time
+    from radixflow.services.executor import pages as P
+    firsts = []
+
+    class Counting(P.LocalPages):
+        def step(self, msg):
+            if msg.candidates and not firsts:
+                firsts.append(len(msg.candidates))
+            return super().step(msg)
+    kw = dict(model=models["tiny-dense"], page_size=16, max_total_tokens=64 * 16, max_running_requests=8,
+              warmup_tokens=0, burst_gap_s=0.0)
+    e = Engine(EngineConfig(**kw, burst_wait_s=30.0), pages=Counting())
+    pre = prompt(3, 64)
+    reqs = [req(f"r{i}", pre + [5 + i], max_new_tokens=2, ignore_eos=True) for i in range(3)]
+    reqs[0].burst = 2
+    e.add(reqs[0])
+    t = threading.Thread(target=e.step)
+    t.start()
+    time.sleep(0.2)
+    assert t.is_alive() and not firsts           # waiting for the two announced
+    e.add(reqs[1])
+    e.add(reqs[2])
+    t.join(30)
+    assert firsts == [3]
+    e2 = Engine(EngineConfig(**kw, burst_wait_s=0.2), pages=P.LocalPages())
+    r = req("lone", pre, max_new_tokens=1, ignore_eos=True)
+    r.burst = 5                                  # announced, never sent: the wait ends at burst_wait_s
+    e2.add(r)
+    e2.step()
+    assert e2._expect == 0

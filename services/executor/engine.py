@@ -81,6 +81,7 @@ class Engine(RadixExchange):
         self._live: dict[str, Sequence] = {}
         self.finished_outputs: OrderedDict[str, tuple] = OrderedDict()
         self._last_arrival = 0.0
+        self._expect = 0         # requests announced (ExecRequest.burst) and not arrived yet
         self._radix_down_since = 0.0
         self._sync = False
         self.preempted = 0       # sequences sent back to waiting for want of pages (decode_reserve)
@@ -158,6 +159,7 @@ class Engine(RadixExchange):
                 raise BadRequest(f"request id {req.rid!r} is already running", param="rid")
             self._new.append(seq)
             self._last_arrival = seq.arrived = time.monotonic()
+            self._expect = max(self._expect - 1, req.burst)
 
     def abort(self, rids: list[str], discard: bool = False) -> None:
         """Stop requests; with discard (a cancelled program branch) nothing more of them is cached."""
@@ -203,8 +205,10 @@ class Engine(RadixExchange):
             if not self._new:
                 return
         deadline = time.monotonic() + self.cfg.burst_wait_s
-        while time.monotonic() < deadline and time.monotonic() - self._last_arrival < self.cfg.burst_gap_s:
-            time.sleep(self.cfg.burst_gap_s / 4)
+        while time.monotonic() < deadline and (time.monotonic() - self._last_arrival < self.cfg.burst_gap_s
+                                               or self._expect > 0):
+            time.sleep(max(self.cfg.burst_gap_s / 4, 0.0005))
+        self._expect = 0         # what was announced and did not come is not waited for again
 
     def step(self) -> list[tuple[str, SeqOutput]]:
         """One step; returns (output subject, output) for every sequence that advanced or ended."""

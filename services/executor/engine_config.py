@@ -33,7 +33,8 @@ class EngineConfig:
     # A burst of requests (an agent's fan-out) arrives over tens of milliseconds; prefilling it in
     # a few big steps costs about half as much per request as in many small ones. So when requests
     # are still arriving (the last one less than burst_gap_s ago), admission waits, up to
-    # burst_wait_s. A lone request waits burst_gap_s once.
+    # burst_wait_s. A lone request waits burst_gap_s once. Requests the scheduler announces
+    # (ExecRequest.burst: what it still held when it sent one) are waited for too, up to burst_wait_s.
     burst_gap_s: float = 0.002
     burst_wait_s: float = 0.05
     # structured output: draft the tokens of text the grammar forces and verify them in the next

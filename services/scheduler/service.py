@@ -212,7 +212,12 @@ class SchedulerService(OutputPath, Actor):
             exec_req = ExecRequest(rid=req.rid, input_ids=ids, sampling=req.sampling, namespace=namespace,
                                    quota_pages=req.limits.max_cached_pages if req.limits else 0,
                                    grammar_key=grammar_key, logprob_start=start,
-                                   quiet=not incremental(req.stream, req.sampling))
+                                   quiet=not incremental(req.stream, req.sampling),
+                                   # an agent's fan-out reaches the executor over several ms (one event
+                                   # loop passes each stage all of it in turn); what is still queued here
+                                   # is on its way, and admitting without it costs a hybrid model a
+                                   # second prefill of the preamble (no state where the siblings part)
+                                   burst=self._mailbox.qsize())
             if req.n == 1:
                 await self.dispatch(ex, exec_req, Tracked(
                     rid=req.rid, stream_subject=req.stream_subject, executor=ex.instance, prompt_tokens=len(ids),
