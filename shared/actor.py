@@ -47,6 +47,7 @@ class Route:
     # kept while draining: what in-flight work still needs (outputs, aborts, peers' heartbeats);
     # the rest (new work) is unsubscribed first
     drain_last: bool = False
+    queued: int = 0              # its messages waiting in a mailbox (Actor.queued)
 
 
 def make_instance_id(service: str) -> str:
@@ -104,6 +105,10 @@ class Actor:
             raise RuntimeError("routes are registered before start()")
         self._routes.append(Route(subject, msg_type, fn, queue, ordered, asyncio.Queue() if ordered else None,
                                   drain_last))
+
+    def queued(self, subject: str) -> int:
+        """Messages of `subject`'s route received and not yet handled."""
+        return sum(r.queued for r in self._routes if r.subject == subject)
 
     def spawn(self, name: str, factory: Callable[[], Awaitable[None]]) -> None:
         """Run factory() as a supervised loop: restarted (and logged) if it crashes."""
@@ -182,12 +187,14 @@ class Actor:
                 await self.bus.respond(m, Overloaded(f"{self.service} has {q.qsize()} messages waiting; try again "
                                                      "later", retry_after=1.0).to_reply())
                 return
+            r.queued += 1
             q.put_nowait((r, m))
         return cb
 
     async def _work(self, q: asyncio.Queue) -> None:
         while True:
             r, m = await q.get()
+            r.queued -= 1
             try:
                 await self._handle(r, m)
             finally:

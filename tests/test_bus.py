@@ -156,7 +156,10 @@ async def test_bounded_concurrency_and_drain(nats_server):
     await actor.start()
     reqs = [asyncio.create_task(bus.request("t.slow", EncodeRequest(text="x"), EncodeReply)) for _ in range(9)]
     await asyncio.sleep(0.05)
+    # 3 in the handler, 6 waiting (the scheduler announces what it still holds: ExecRequest.burst)
+    assert actor.queued("t.slow") == 6 and actor.queued("t.echo") == 0
     await actor.drain(timeout_s=5)   # in-flight and queued work still completes
+    assert actor.queued("t.slow") == 0
     results = await asyncio.gather(*reqs)
     assert len(results) == 9 and actor.peak == 3
     await actor.stop()

@@ -133,3 +133,25 @@ def test_admission_waits_for_the_requests_a_burst_announced(models):
     e2.add(r)
     e2.step()
     assert e2._expect == 0
+
+
+def test_prompts_go_in_full_to_an_authority_that_does_not_take_known_candidates(models):
+    """A radix from before Candidate.known would read an elided prompt as an empty one: the
+    executor elides prompts only when registration said the authority takes them."""
+    from radixflow.services.executor import pages as P
+    seen = []
+
+    class Old(P.LocalPages):
+        def register(self, msg):
+            super().register(msg)
+            return False
+
+        def step(self, msg):
+            seen.extend((bool(c.token_ids), c.known) for c in msg.candidates)
+            return super().step(msg)
+    kw = dict(model=models["tiny-dense"], page_size=16, max_total_tokens=64 * 16, max_running_requests=8,
+              max_prefill_tokens=512, warmup_tokens=0)
+    pre = prompt(7, 200)
+    got, _ = drive(Engine(EngineConfig(**kw), pages=Old()),
+                   [req(f"r{i}", pre + prompt(100 + i, 20), max_new_tokens=2, ignore_eos=True) for i in range(4)])
+    assert len(got) == 4 and len(seen) > 4 and all(sent and not known for sent, known in seen)

@@ -57,6 +57,7 @@ class Batcher:
         self.decode_reserve = decode_reserve
         self._retry = False      # something changed since the last deferral: worth asking again
         self._unasked = False    # the last message left waiting requests out (its size cap): ask again
+        self.known_candidates = False   # the authority takes deferred candidates without prompts (Candidate.known)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -129,7 +130,6 @@ class Batcher:
         self.releases.append(Release(rid=seq.rid, output_ids=seq.tokens[seq.prefill_len:], computed=seq.computed_len,
                                      tail=seq.tail_pos))
         seq.resume_len = len(seq.tokens)
-        seq.known = False            # its tokens grew: the pool never had these
         seq.logprob_start = -1       # its prompt logprobs were collected by its first prefill
         seq.status = Status.WAITING
         seq.pages, seq.slots, seq.cached_len, seq.computed_len = [], None, 0, 0
@@ -142,7 +142,7 @@ class Batcher:
         by_rid = {s.rid: s for s in self.waiting}
         for d in deferred:          # kept by the pool, but for those it no longer knew
             if (s := by_rid.get(d.rid)) is not None:
-                s.known = d.reason != "unknown"
+                s.known = self.known_candidates and d.reason != "unknown"
         started = []
         for g in grants:
             seq = by_rid[g.rid]

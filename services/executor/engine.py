@@ -68,11 +68,12 @@ class Engine(RadixExchange):
         self._register = RadixRegister(pool=cfg.pool, num_pages=self.num_pages, page_size=cfg.page_size,
                                        cache=self.cache, num_state_slots=num_slots,
                                        checkpoint_interval=cfg.checkpoint_interval or cfg.max_prefill_tokens)
-        self.pages.register(self._register)
+        known = self.pages.register(self._register)
         self.batcher = Batcher(pool=cfg.pool, max_running=cfg.max_running_requests,
                                max_prefill_tokens=cfg.max_prefill_tokens, mixed_chunk_tokens=cfg.mixed_chunk_tokens,
                                max_candidate_tokens=candidate_tokens(self.spec.vocab_size),
                                decode_reserve=cfg.decode_reserve)
+        self.batcher.known_candidates = known
         self._lock = threading.Lock()
         self._new: list[Sequence] = []
         self._aborts: set[str] = set()
@@ -205,8 +206,11 @@ class Engine(RadixExchange):
             if not self._new:
                 return
         deadline = time.monotonic() + self.cfg.burst_wait_s
+        # announced requests are waited for only while nothing runs: running requests' decode steps
+        # do not stall for them
+        idle = not self.batcher.running
         while time.monotonic() < deadline and (time.monotonic() - self._last_arrival < self.cfg.burst_gap_s
-                                               or self._expect > 0):
+                                               or idle and self._expect > 0):
             time.sleep(max(self.cfg.burst_gap_s / 4, 0.0005))
         self._expect = 0         # what was announced and did not come is not waited for again
 

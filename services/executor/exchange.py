@@ -115,7 +115,7 @@ class RadixExchange(_Base):
                           tail_slot=s.tail_slot, checkpoints=list(s.checkpoints), checkpoint_slots=list(s.checkpoints.values()))
                 for s in going]
         try:
-            self.pages.register(msgspec.structs.replace(self._register, held=held))
+            self.batcher.known_candidates = self.pages.register(msgspec.structs.replace(self._register, held=held))
         except RadixflowError as e:
             _log.error("radix lost our pool and cannot take it back", error=e.message, requests=len(b.running))
             lost = b.fail_all()

@@ -41,9 +41,10 @@ def held_parts(held: list[HeldPages], budget: int | None = None) -> list[list[He
 
 class PageAuthority(ABC):
     @abstractmethod
-    def register(self, msg: RadixRegister) -> None:
+    def register(self, msg: RadixRegister) -> bool:
         """(Re)create this executor's pool: every page and state slot free but those `msg.held`
-        names, nothing cached but their computed prefixes."""
+        names, nothing cached but their computed prefixes. True if the authority takes candidates
+        without their prompts (Candidate.known)."""
 
     @abstractmethod
     def step(self, msg: RadixStep) -> RadixStepReply:
@@ -70,9 +71,10 @@ class LocalPages(PageAuthority):
     def __init__(self) -> None:
         self.pool: PagePool | None = None
 
-    def register(self, msg: RadixRegister) -> None:
+    def register(self, msg: RadixRegister) -> bool:
         self.pool = PagePool(msg.num_pages, msg.page_size, msg.cache, msg.num_state_slots, msg.checkpoint_interval)
         self.pool.adopt(msg.held)
+        return True
 
     def step(self, msg: RadixStep) -> RadixStepReply:
         if self.pool is None:     # forgotten, as a restarted radix service forgets (tests)
@@ -93,7 +95,7 @@ class RemotePages(PageAuthority):
         fut = asyncio.run_coroutine_threadsafe(self.bus.request(subject, msg, reply, timeout=self.timeout_s), self.loop)
         return fut.result(self.timeout_s + 1)
 
-    def register(self, msg: RadixRegister, wait_s: float = 30.0) -> None:
+    def register(self, msg: RadixRegister, wait_s: float = 30.0) -> bool:
         """Register, waiting (bounded) for the radix service to come up: services start in any order.
         What running requests hold goes in parts of about HELD_BYTES (RadixAdopt after the first)."""
         deadline = time.monotonic() + wait_s
@@ -101,7 +103,7 @@ class RemotePages(PageAuthority):
         msg = msgspec.structs.replace(msg, pool=self.pool, held=first)
         while True:
             try:
-                self._call(subjects.RADIX_REGISTER, msg, RadixRegistered)
+                reply = self._call(subjects.RADIX_REGISTER, msg, RadixRegistered)
                 break
             except ServiceUnavailable:
                 if time.monotonic() > deadline:
@@ -109,6 +111,7 @@ class RemotePages(PageAuthority):
                 time.sleep(0.2)
         for part in rest:
             self._call(subjects.RADIX_ADOPT, RadixAdopt(pool=self.pool, held=part), RadixRegistered)
+        return reply.known_candidates
 
     def step(self, msg: RadixStep) -> RadixStepReply:
         return self.send(msg)()

@@ -49,7 +49,7 @@ class RadixService(Actor):
         self.seen[req.pool] = time.monotonic()
         self.log.info("pool registered", pool=req.pool, pages=req.num_pages, page_size=req.page_size, cache=req.cache,
                       state_slots=req.num_state_slots, adopted_requests=len(req.held))
-        return RadixRegistered(pool=req.pool)
+        return RadixRegistered(pool=req.pool, known_candidates=True)
 
     async def adopt(self, req: RadixAdopt) -> RadixRegistered:
         pool = self.pools.get(req.pool)

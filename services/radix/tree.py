@@ -239,8 +239,8 @@ class RadixTree:
         return p is not None and p.children.get(node.key[:self.page_size]) is node
 
     def evict(self, n_pages: int, owners: Collection[str] | None = None, exact: bool = False) -> Evicted:
-        """Free at least n_pages (fewer if not enough are unlocked), LRU leaves first (ties: the
-        older node object); a leaf's state slot goes with it. With `owners`, only leaves of those
+        """Free at least n_pages (fewer if not enough are unlocked), LRU leaves first (ties: by
+        id(), as before the heap); a leaf's state slot goes with it. With `owners`, only leaves of those
         owners' namespaces (`exact`: of those namespaces), found by a walk."""
         if owners is not None:
             heap = [(n.last_access, id(n), n) for n in self.nodes(owners, exact) if not n.children and n.lock == 0]

@@ -212,18 +212,19 @@ class SchedulerService(OutputPath, Actor):
             exec_req = ExecRequest(rid=req.rid, input_ids=ids, sampling=req.sampling, namespace=namespace,
                                    quota_pages=req.limits.max_cached_pages if req.limits else 0,
                                    grammar_key=grammar_key, logprob_start=start,
-                                   quiet=not incremental(req.stream, req.sampling),
-                                   # an agent's fan-out reaches the executor over several ms (one event
-                                   # loop passes each stage all of it in turn); what is still queued here
-                                   # is on its way, and admitting without it costs a hybrid model a
-                                   # second prefill of the preamble (no state where the siblings part)
-                                   burst=self._mailbox.qsize())
+                                   quiet=not incremental(req.stream, req.sampling))
             if req.n == 1:
+                # an agent's fan-out reaches the executor over several ms (one event loop passes each
+                # stage all of it in turn); the submissions still queued here are on their way there
+                # (the only executor), and admitting without them costs a hybrid model a second
+                # prefill of the preamble (no state where the siblings part). Sent once: a resample
+                # or a recovery re-sends t.exec_req, which announces nothing
+                burst = self.queued(subjects.SCHEDULER_SUBMIT) if len(live) == 1 else 0
                 await self.dispatch(ex, exec_req, Tracked(
                     rid=req.rid, stream_subject=req.stream_subject, executor=ex.instance, prompt_tokens=len(ids),
                     sampling=req.sampling, deadline=deadline, stream=req.stream, check=check, ticket=ticket,
                     json=req.json_stream,
-                    prompt_ids=ids[start:] if start >= 0 else []), reserved=True)
+                    prompt_ids=ids[start:] if start >= 0 else []), reserved=True, burst=burst)
             else:
                 await self._fan_out(ex, req, exec_req, check, deadline, ticket)
         finally:
@@ -263,7 +264,8 @@ class SchedulerService(OutputPath, Actor):
                 await group.on_child(i, StreamError(rid=rid, seq=0, code=e.code, kind=e.kind, message=e.message))
         await asyncio.gather(*(child(i) for i in range(req.n)))
 
-    async def dispatch(self, ex: ExecutorState, req: ExecRequest, t: Tracked, reserved: bool = False) -> None:
+    async def dispatch(self, ex: ExecutorState, req: ExecRequest, t: Tracked, reserved: bool = False,
+                       burst: int = 0) -> None:
         """Track `t` and hand `req` to executor `ex`; raises (and tracks nothing) when it is refused.
         `reserved`: the caller already counted it in ex.inflight (right when it chose `ex`, so that
         placements made concurrently see each other's load); it is given back on failure."""
@@ -283,7 +285,8 @@ class SchedulerService(OutputPath, Actor):
             raise BadRequest(f"request id {req.rid!r} is already in flight", param="rid") from None
         ex.inflight += not reserved
         try:
-            await self.bus.request(subjects.executor_submit(ex.instance), req, ExecAccepted, timeout=40)
+            await self.bus.request(subjects.executor_submit(ex.instance),
+                                   msgspec.structs.replace(req, burst=burst) if burst else req, ExecAccepted, timeout=40)
         except RadixflowError as e:
             # not accepted: the caller gets the error instead (unless something already forgot it,
             # which gave its executor slot back)

@@ -37,6 +37,8 @@ class RadixRegister(Msg):
 
 class RadixRegistered(Msg):
     pool: str
+    known_candidates: bool = False    # understands Candidate.known (a radix from before it does not:
+                                      # the executor then sends every prompt in full)
 
 
 class RadixAdopt(Msg):

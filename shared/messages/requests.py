@@ -199,8 +199,9 @@ class ExecRequest(Msg):
                                       # release caches the prefix this one continues from
     quiet: bool = False               # the scheduler needs its first output and its last only (no stream,
                                       # no stop strings): nothing in between is published
-    burst: int = 0                    # submissions the scheduler still held when it sent this one: the
-                                      # executor's admission waits for them too (up to burst_wait_s)
+    burst: int = 0                    # submissions the scheduler still held when it sent this one (its
+                                      # only executor): an idle executor's admission waits for them too
+                                      # (up to burst_wait_s)
 
 
 class ExecAccepted(Msg):
