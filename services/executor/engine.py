@@ -20,7 +20,7 @@ from radixflow.shared.errors import BadRequest
 from radixflow.shared.histogram import Histogram
 from radixflow.shared.messages import CacheHints, ExecRequest, Progress, RadixRegister, SeqOutput
 
-from radixflow.services.radix.pool import pages_for
+from radixflow.services.radix.held import pages_for
 from .batcher import Batcher, Plan, candidate_tokens
 from .engine_config import EngineConfig
 from .exchange import RadixExchange
