@@ -65,7 +65,7 @@ def _load():
              "void gdr_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, "
              "const at::Tensor& beta, at::Tensor& o, at::Tensor& pool, const at::Tensor& starts, "
              "const at::Tensor& ends, const at::Tensor& slots, const at::Tensor& tap_lo, const at::Tensor& tap_at, "
-             "const at::Tensor& tap_dst);\n"
+             "const at::Tensor& tap_dst, bool l2norm, double scale);\n"
              "void conv_prefill(const at::Tensor& x, at::Tensor& y, at::Tensor& pool, const at::Tensor& weight, "
              "const at::Tensor& starts, const at::Tensor& ends, const at::Tensor& slots, const at::Tensor& tap_lo, "
              "const at::Tensor& tap_at, const at::Tensor& tap_dst, bool silu);\n"

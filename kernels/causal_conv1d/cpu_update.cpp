@@ -108,12 +108,89 @@ static void conv_prefill_impl(const at::Tensor& x, at::Tensor& y, at::Tensor& po
   });
 }
 
+#ifdef RF_BF16_VECTOR
+// The same for Qwen3.5's width (4) and whole blocks of 16 channels, in AVX-512 registers: the
+// window is three vectors and a token costs one load, four FMAs, the SiLU and one store. The loop
+// above keeps its window in a local array with runtime bounds, which GCC neither keeps in registers
+// nor vectorizes well: 1.4 ms for a 3,100-token prefill of 512 channels (bf16), ~5x this.
+static inline __m512 conv_ld16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 conv_ld16(const uint16_t* p) { return load_bf16x16(p); }
+static inline void conv_st16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline void conv_st16(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16x16(v)); }
+
+template <typename IO, bool silu>
+static void conv4_prefill16(const at::Tensor& x, at::Tensor& y, at::Tensor& pool, const at::Tensor& weight,
+                            const at::Tensor& starts, const at::Tensor& ends, const at::Tensor& slots,
+                            const at::Tensor& tap_lo, const at::Tensor& tap_at, const at::Tensor& tap_dst) {
+  using S = typename IO::S;
+  constexpr int W = 4, M = 3, L = 16;
+  const int64_t N = slots.size(0), C = x.size(1), blocks = C / L;
+  const S* xp = reinterpret_cast<const S*>(x.data_ptr());
+  const float* wp = weight.data_ptr<float>();
+  const int64_t *st = starts.data_ptr<int64_t>(), *en = ends.data_ptr<int64_t>(), *sl = slots.data_ptr<int64_t>();
+  const int64_t *tl = tap_lo.data_ptr<int64_t>(), *ta = tap_at.data_ptr<int64_t>(), *td = tap_dst.data_ptr<int64_t>();
+  float* pp = pool.data_ptr<float>();
+  S* yp = reinterpret_cast<S*>(y.data_ptr());
+  // lane c of the window vectors: channel c0 + c, whose M carried inputs are contiguous in the pool
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(M));
+  const __m512i wlanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(W));
+  at::parallel_for(0, N * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / blocks, c0 = (task % blocks) * L;
+      float* s = pp + (sl[n] * C + c0) * M;
+      const float* w = wp + c0 * W;
+      const __m512 w0 = _mm512_i32gather_ps(wlanes, w, 4), w1 = _mm512_i32gather_ps(wlanes, w + 1, 4),
+                   w2 = _mm512_i32gather_ps(wlanes, w + 2, 4), w3 = _mm512_i32gather_ps(wlanes, w + 3, 4);
+      __m512 a0 = _mm512_i32gather_ps(lanes, s, 4), a1 = _mm512_i32gather_ps(lanes, s + 1, 4),
+             a2 = _mm512_i32gather_ps(lanes, s + 2, 4);
+      int64_t j = tl[n];
+      for (int64_t t = st[n]; t < en[n]; ++t) {
+        const __m512 xin = conv_ld16(xp + t * C + c0);
+        __m512 acc = _mm512_fmadd_ps(w0, a0, _mm512_fmadd_ps(w1, a1, _mm512_fmadd_ps(w2, a2, _mm512_mul_ps(w3, xin))));
+        if (silu)
+          acc = _mm512_div_ps(acc, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_fast16(_mm512_sub_ps(_mm512_setzero_ps(), acc))));
+        conv_st16(yp + t * C + c0, acc);
+        a0 = a1;
+        a1 = a2;
+        a2 = xin;
+        if (j < tl[n + 1] && ta[j] == t + 1 - st[n]) {
+          float* d = pp + (td[j] * C + c0) * M;
+          _mm512_i32scatter_ps(d, lanes, a0, 4);
+          _mm512_i32scatter_ps(d + 1, lanes, a1, 4);
+          _mm512_i32scatter_ps(d + 2, lanes, a2, 4);
+          ++j;
+        }
+      }
+      _mm512_i32scatter_ps(s, lanes, a0, 4);
+      _mm512_i32scatter_ps(s + 1, lanes, a1, 4);
+      _mm512_i32scatter_ps(s + 2, lanes, a2, 4);
+    }
+  });
+}
+#endif
+
+template <typename IO>
+static void conv_prefill_io(const at::Tensor& x, at::Tensor& y, at::Tensor& pool, const at::Tensor& weight,
+                            const at::Tensor& starts, const at::Tensor& ends, const at::Tensor& slots,
+                            const at::Tensor& tap_lo, const at::Tensor& tap_at, const at::Tensor& tap_dst, bool silu) {
+#ifdef RF_BF16_VECTOR
+  if (weight.size(1) == 4 && x.size(1) % 16 == 0) {
+    if (silu)
+      return conv4_prefill16<IO, true>(x, y, pool, weight, starts, ends, slots, tap_lo, tap_at, tap_dst);
+    return conv4_prefill16<IO, false>(x, y, pool, weight, starts, ends, slots, tap_lo, tap_at, tap_dst);
+  }
+#endif
+  conv_prefill_impl<IO>(x, y, pool, weight, starts, ends, slots, tap_lo, tap_at, tap_dst, silu);
+}
+
 void conv_prefill(const at::Tensor& x, at::Tensor& y, at::Tensor& pool, const at::Tensor& weight,
                   const at::Tensor& starts, const at::Tensor& ends, const at::Tensor& slots, const at::Tensor& tap_lo,
                   const at::Tensor& tap_at, const at::Tensor& tap_dst, bool silu) {
   TORCH_CHECK(x.scalar_type() == y.scalar_type(), "conv_prefill: x and y in one dtype");
   if (x.scalar_type() == at::kBFloat16)
-    return conv_prefill_impl<BF16>(x, y, pool, weight, starts, ends, slots, tap_lo, tap_at, tap_dst, silu);
+    return conv_prefill_io<BF16>(x, y, pool, weight, starts, ends, slots, tap_lo, tap_at, tap_dst, silu);
   TORCH_CHECK(x.scalar_type() == at::kFloat, "conv_prefill: fp32 or bf16");
-  conv_prefill_impl<F32>(x, y, pool, weight, starts, ends, slots, tap_lo, tap_at, tap_dst, silu);
+  conv_prefill_io<F32>(x, y, pool, weight, starts, ends, slots, tap_lo, tap_at, tap_dst, silu);
 }

@@ -41,9 +41,16 @@ def gated_delta_rule_prefill_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     ext = cpu_ext.get()
     if ext is None or not _takes(pool) or not bounds:
         return packed.gated_delta_rule_prefill_slots(q, k, v, g, beta, o, pool, bounds, slots, taps)
-    direct = o.dtype == torch.float32 and o.is_contiguous()
+    # q, k, v and o in the model's dtype (fp32 or bf16), the conv output's per-head views as they
+    # are: the kernel normalizes, scales and maps the qk heads to the value heads itself
+    dt = q.dtype
+    direct = dt in (torch.float32, torch.bfloat16) and k.dtype == dt and v.dtype == dt and o.dtype == dt \
+        and o.is_contiguous() and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    if not direct:
+        q, k, v = q.float().contiguous(), k.float().contiguous(), v.float().contiguous()
     out = o if direct else torch.empty(o.shape, dtype=torch.float32)
-    ext.gdr_prefill(*_prepared(q, k, v, g, beta, True), out, pool, *prefill_rows(bounds, slots, taps, pool.device))
+    ext.gdr_prefill(q, k, v, g.float().contiguous(), beta.float().contiguous(), out, pool,
+                    *prefill_rows(bounds, slots, taps, pool.device), True, q.shape[-1] ** -0.5)
     if not direct:
         for s, e in spans(bounds, o.shape[0]):       # the sequences' rows only
             o[s:e] = out[s:e]

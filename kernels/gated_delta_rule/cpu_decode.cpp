@@ -108,27 +108,80 @@ void gdr_decode_depths(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 // its first tap_at[j] tokens to pool[tap_dst[j]] (a prefix-cache checkpoint inside the chunk).
 // Token by token, where the torch reference runs the chunked form: at these head sizes the state
 // stays in the L1 cache and the recurrence is two passes over it per token.
-void gdr_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                 const at::Tensor& beta, at::Tensor& o, at::Tensor& pool, const at::Tensor& starts,
-                 const at::Tensor& ends, const at::Tensor& slots, const at::Tensor& tap_lo, const at::Tensor& tap_at,
-                 const at::Tensor& tap_dst) {
-  const int64_t N = slots.size(0), H = q.size(1), K = q.size(2), V = v.size(2);
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+//
+// Unlike the decode form it reads the layer's tensors as they are: q, k [T, Hk, K] and v [T, H, V]
+// in the model's dtype (IO: F32 or BF16 of elementwise/cpu_fused.cpp), views with row strides (the
+// conv output split per head); value head h reads qk head h / (H / Hk); q and k are L2-normalized
+// here (when `l2norm`, eps inside the sqrt as in naive.l2norm) and q scaled by `scale`, in fp32.
+// g, beta: [T, H] fp32 contiguous; o: [T, H, V] in the model's dtype, contiguous, rounded once.
+// Preparing fp32, normalized, head-expanded copies in torch first cost ~0.9 ms a layer at 2,000
+// tokens, half the kernel's own time.
+// One token's q or k head into fp32 at dst, times `mul` and (l2norm) over its L2 norm. Fixed
+// sizes for the model's head sizes: the loops vectorize (the bf16 loads are bit shifts).
+template <typename IO, int K>
+static inline void load_scaled_fixed(const typename IO::S* __restrict__ src, float* __restrict__ dst, bool l2norm,
+                                     float mul) {
+  float x[K], ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int i = 0; i < K; ++i) {
+    x[i] = IO::load(src[i]);
+    ss += x[i] * x[i];
+  }
+  const float f = (l2norm ? 1.f / std::sqrt(ss + 1e-6f) : 1.f) * mul;
+#pragma omp simd
+  for (int i = 0; i < K; ++i) dst[i] = x[i] * f;
+}
+
+template <typename IO>
+static inline void load_scaled(const typename IO::S* __restrict__ src, float* __restrict__ dst, int64_t K, bool l2norm,
+                               float mul) {
+  if (K == 64) return load_scaled_fixed<IO, 64>(src, dst, l2norm, mul);
+  if (K == 128) return load_scaled_fixed<IO, 128>(src, dst, l2norm, mul);
+  float ss = 0.f;
+  for (int64_t i = 0; i < K; ++i) {
+    dst[i] = IO::load(src[i]);
+    ss += dst[i] * dst[i];
+  }
+  const float f = (l2norm ? 1.f / std::sqrt(ss + 1e-6f) : 1.f) * mul;
+  for (int64_t i = 0; i < K; ++i) dst[i] *= f;
+}
+
+template <typename IO>
+static void gdr_prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                             const at::Tensor& beta, at::Tensor& o, at::Tensor& pool, const at::Tensor& starts,
+                             const at::Tensor& ends, const at::Tensor& slots, const at::Tensor& tap_lo,
+                             const at::Tensor& tap_at, const at::Tensor& tap_dst, bool l2norm, float scale) {
+  using S_ = typename IO::S;
+  const int64_t N = slots.size(0), Hk = q.size(1), H = v.size(1), K = q.size(2), V = v.size(2), G = H / Hk;
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1);
+  const S_ *qp = reinterpret_cast<const S_*>(q.data_ptr()), *kp = reinterpret_cast<const S_*>(k.data_ptr());
+  const S_* vp = reinterpret_cast<const S_*>(v.data_ptr());
   const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
   const int64_t *st = starts.data_ptr<int64_t>(), *en = ends.data_ptr<int64_t>(), *sl = slots.data_ptr<int64_t>();
   const int64_t *tl = tap_lo.data_ptr<int64_t>(), *ta = tap_at.data_ptr<int64_t>(), *td = tap_dst.data_ptr<int64_t>();
   float* pp = pool.data_ptr<float>();
-  float* op = o.data_ptr<float>();
+  S_* op = reinterpret_cast<S_*>(o.data_ptr());
   at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kv(V), delta(V);
+    std::vector<float> kv(V), delta(V), qr(K), kr(K), vr(V), out(V);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t n = task / H, h = task % H;
+      const int64_t n = task / H, h = task % H, hk = h / G;
       float* S = pp + (sl[n] * H + h) * K * V;
       int64_t j = tl[n];
       for (int64_t t = st[n]; t < en[n]; ++t) {
+        const S_* qt = qp + t * qs0 + hk * qs1;
+        const S_* kt = kp + t * ks0 + hk * ks1;
+        const S_* vt = vp + t * vs0 + h * vs1;
+        load_scaled<IO>(qt, qr.data(), K, l2norm, scale);
+        load_scaled<IO>(kt, kr.data(), K, l2norm, 1.f);
+#pragma omp simd
+        for (int64_t i = 0; i < V; ++i) vr[i] = IO::load(vt[i]);
         const int64_t r = t * H + h;
-        delta_step(S, qp + r * K, kp + r * K, vp + r * V, std::exp(gp[r]), bp[r], op + r * V, kv.data(),
-                   delta.data(), K, V);
+        delta_step(S, qr.data(), kr.data(), vr.data(), std::exp(gp[r]), bp[r], out.data(), kv.data(), delta.data(),
+                   K, V);
+        S_* ot = op + r * V;
+#pragma omp simd
+        for (int64_t i = 0; i < V; ++i) ot[i] = IO::store(out[i]);
         if (j < tl[n + 1] && ta[j] == t + 1 - st[n]) {
           std::memcpy(pp + (td[j] * H + h) * K * V, S, K * V * sizeof(float));
           ++j;
@@ -136,4 +189,21 @@ void gdr_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       }
     }
   });
+}
+
+void gdr_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                 const at::Tensor& beta, at::Tensor& o, at::Tensor& pool, const at::Tensor& starts,
+                 const at::Tensor& ends, const at::Tensor& slots, const at::Tensor& tap_lo, const at::Tensor& tap_at,
+                 const at::Tensor& tap_dst, bool l2norm, double scale) {
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+              q.scalar_type() == o.scalar_type(), "gdr_prefill: q, k, v and o in one dtype");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && o.is_contiguous(),
+              "gdr_prefill: unit-stride heads, o contiguous");
+  TORCH_CHECK(v.size(1) % q.size(1) == 0, "gdr_prefill: value heads a multiple of qk heads");
+  if (q.scalar_type() == at::kBFloat16)
+    return gdr_prefill_impl<BF16>(q, k, v, g, beta, o, pool, starts, ends, slots, tap_lo, tap_at, tap_dst, l2norm,
+                                  static_cast<float>(scale));
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "gdr_prefill: fp32 or bf16");
+  gdr_prefill_impl<F32>(q, k, v, g, beta, o, pool, starts, ends, slots, tap_lo, tap_at, tap_dst, l2norm,
+                        static_cast<float>(scale));
 }

@@ -134,13 +134,45 @@ def test_gated_delta_rule_prefill_matches_the_reference(built, bounds, taps, K, 
     assert bool((got16[~mine] == 7.0).all())
 
 
+@pytest.mark.parametrize("bounds,taps", PREFILLS[1:])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gated_delta_rule_prefill_reads_the_layers_views(built, bounds, taps, dtype, monkeypatch):
+    """As the layer passes them: q, k, v views of one row per token (the conv output split per
+    head, row strides), in the model's dtype, at 2 qk heads for 4 value heads, o in that dtype.
+    The kernel reads them as they are (no fp32 copies, no buffer for o)."""
+    T, K, V = max(e for _, e in bounds) + 2, 64, 64
+    q, k, v, g, beta = inputs(T, 2, 4, K, V, seed=T + 1)
+    mixed = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1), torch.zeros(T, 8)], 1).to(dtype)
+    q, k, v, _ = mixed.split([2 * K, 2 * K, 4 * V, 8], 1)
+    q, k, v = q.view(T, 2, K), k.view(T, 2, K), v.view(T, 4, V)
+    slots = [3, 0, 6][: len(bounds)]
+    pool = torch.randn(14, 4, K, V)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want, got = torch.full((T, 4, V), 7.0, dtype=dtype), torch.full((T, 4, V), 7.0, dtype=dtype)
+    packed_ref.gated_delta_rule_prefill_slots(q, k, v, g, beta, want, want_pool, bounds, slots, taps)
+    with monkeypatch.context() as m:
+        m.setattr(gdr_cpu, "spans", lambda *a: pytest.fail("went through an fp32 buffer"))
+        m.setattr(gdr_cpu.packed, "gated_delta_rule_prefill_slots", lambda *a, **k: pytest.fail("went to the reference"))
+        gdr_cpu.gated_delta_rule_prefill_slots(q, k, v, g, beta, got, got_pool, bounds, slots, taps)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    torch.testing.assert_close(got_pool, want_pool, atol=1e-4, rtol=1e-4)
+    mine = torch.zeros(T, dtype=torch.bool)
+    for s, e in bounds:
+        mine[s:e] = True
+    assert bool((got[~mine] == 7.0).all())
+
+
 @pytest.mark.parametrize("bounds,taps", PREFILLS)
 @pytest.mark.parametrize("dtype,activation", [(torch.float32, "silu"), (torch.bfloat16, "silu"),
                                               (torch.float32, None)])
-def test_conv_prefill_matches_the_reference(built, bounds, taps, dtype, activation, monkeypatch):
+@pytest.mark.parametrize("C", [70, 96])
+def test_conv_prefill_matches_the_reference(built, bounds, taps, dtype, activation, C, monkeypatch):
     """x and out in the model's dtype, read and written by the kernel as they are (bf16 too), the
-    SiLU fused; the rows of no sequence (a mixed step's decode rows: the last two) left alone."""
-    T, C, W = max(e for _, e in bounds) + 2, 70, 4         # 70 channels: a block of 64 and a rest
+    SiLU fused; the rows of no sequence (a mixed step's decode rows: the last two) left alone.
+    70 channels: the generic loop (a block of 64 and a rest); 96: whole 16-lane blocks, the
+    AVX-512 form where the CPU has it."""
+    T, W = max(e for _, e in bounds) + 2, 4
     gen = torch.Generator().manual_seed(T)
     x, weight = torch.randn(T, C, generator=gen).to(dtype), torch.randn(C, W, generator=gen)
     slots = [3, 0, 6][: len(bounds)]
