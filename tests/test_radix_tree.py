@@ -417,6 +417,29 @@ def test_parting_point_of_a_grant():
     assert pool._parting_point(d, 0, cands) == 0        # alone in its namespace
 
 
+def test_a_late_sibling_resumes_near_its_parting_point():
+    """Hybrid: a sibling that arrives after the first of its fan-out was granted alone (no parting
+    point planned) resumes from the ladder of checkpoints back from the end of the first's prompt,
+    not from the start; with state slots short the ladder is not planned."""
+    from radixflow.services.radix.pool import PagePool
+    from radixflow.shared.messages import RadixStep, Release
+    pre = list(range(100, 3100))                              # 3,000-token preamble
+    first = Candidate(rid="a", namespace="n", token_ids=pre + [1] * 100, reserve=8)
+    late = Candidate(rid="b", namespace="n", token_ids=pre + [2] * 100, reserve=8)
+    step = lambda pool, cs, **kw: pool.step(RadixStep(pool="p", budget=10**6, max_admit=8, candidates=cs, **kw))
+    got = {}
+    for slots in (64, 8):
+        pool = PagePool(num_pages=512, page_size=16, num_state_slots=slots, checkpoint_interval=8192)
+        g = step(pool, [first]).grants[0]
+        step(pool, [], progress=[Progress(rid="a", computed=3100)])
+        step(pool, [], releases=[Release(rid="a", output_ids=[], computed=3100)])
+        got[slots] = (g.checkpoints, step(pool, [late]).grants[0].cached_tokens)
+    end = 3100 // 16 * 16
+    assert got[64][0] == sorted({end - d for d in (2048, 1024, 512, 256)} | {end})
+    assert got[64][1] == end - 256                            # 2,832: 168 + 100 tokens to compute
+    assert got[8] == ([end], 0)                               # short of slots: the whole prompt again
+
+
 def test_a_deferred_candidate_comes_back_without_its_prompt():
     """Candidate.known: the pool keeps the prompts of the candidates it deferred in a step, for the
     next step only; one sent `known` that it does not have is deferred as "unknown"."""
