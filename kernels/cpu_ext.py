@@ -61,7 +61,7 @@ def _load():
     decls = ("void gdr_decode_depths(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, "
              "const at::Tensor& g, const at::Tensor& beta, at::Tensor& pool, const at::Tensor& slots, "
              "const at::Tensor& offsets, const at::Tensor& lens, at::Tensor& o, at::Tensor& saved, "
-             "const at::Tensor& soff);\n"
+             "const at::Tensor& soff, bool l2norm, double scale);\n"
              "void gdr_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, "
              "const at::Tensor& beta, at::Tensor& o, at::Tensor& pool, const at::Tensor& starts, "
              "const at::Tensor& ends, const at::Tensor& slots, const at::Tensor& tap_lo, const at::Tensor& tap_at, "

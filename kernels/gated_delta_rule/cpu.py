@@ -9,7 +9,6 @@ import torch
 from .. import cpu_ext
 from ..packing import depth_rows, prefill_rows, spans
 from . import naive, packed
-from .naive import _expand_heads, _group, _prepare_qk
 
 
 def gated_delta_rule_decode_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -43,25 +42,14 @@ def gated_delta_rule_prefill_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         return packed.gated_delta_rule_prefill_slots(q, k, v, g, beta, o, pool, bounds, slots, taps)
     # q, k, v and o in the model's dtype (fp32 or bf16), the conv output's per-head views as they
     # are: the kernel normalizes, scales and maps the qk heads to the value heads itself
-    dt = q.dtype
-    direct = dt in (torch.float32, torch.bfloat16) and k.dtype == dt and v.dtype == dt and o.dtype == dt \
-        and o.is_contiguous() and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-    if not direct:
-        q, k, v = q.float().contiguous(), k.float().contiguous(), v.float().contiguous()
-    out = o if direct else torch.empty(o.shape, dtype=torch.float32)
+    q, k, v = _direct(q, k, v)
+    direct = o.dtype == q.dtype and o.is_contiguous()
+    out = o if direct else torch.empty(o.shape, dtype=q.dtype)
     ext.gdr_prefill(q, k, v, g.float().contiguous(), beta.float().contiguous(), out, pool,
                     *prefill_rows(bounds, slots, taps, pool.device), True, q.shape[-1] ** -0.5)
     if not direct:
         for s, e in spans(bounds, o.shape[0]):       # the sequences' rows only
             o[s:e] = out[s:e]
-
-
-def _prepared(q, k, v, g, beta, use_qk_l2norm: bool):
-    """What the kernel reads: fp32, contiguous, q and k normalized (q scaled) at the value heads."""
-    group = _group(k.shape[-2], v.shape[-2])
-    q, k = _prepare_qk(q, k, use_qk_l2norm)
-    return (_expand_heads(q, group).contiguous(), _expand_heads(k, group).contiguous(), v.float().contiguous(),
-            g.float().contiguous(), beta.float().contiguous())
 
 
 def _takes(pool: torch.Tensor) -> bool:
@@ -70,10 +58,21 @@ def _takes(pool: torch.Tensor) -> bool:
 
 def _run(ext, q, k, v, g, beta, pool, slots, counts, use_qk_l2norm, keep):
     out_dtype = q.dtype
-    q, k, v, g, beta = _prepared(q, k, v, g, beta, use_qk_l2norm)
+    q, k, v = _direct(q, k, v)
     offsets, lens, soff, kept = depth_rows(tuple(counts), pool.device)
-    o = torch.empty_like(v)
+    o = torch.empty(v.shape, dtype=v.dtype)
     saved = pool.new_empty(kept if keep else 0, *pool.shape[1:])
-    ext.gdr_decode_depths(q, k, v, g, beta, pool, slots.contiguous(), offsets, lens, o, saved, soff)
+    ext.gdr_decode_depths(q, k, v, g.float().contiguous(), beta.float().contiguous(), pool, slots.contiguous(),
+                          offsets, lens, o, saved, soff, use_qk_l2norm, q.shape[-1] ** -0.5)
     # saved holds depth 0's kept states, then depth 1's, ...: saved[d] has counts[d + 1] of them
     return o.to(out_dtype), list(saved.split(counts[1:])) if keep else []
+
+
+def _direct(q, k, v):
+    """q, k, v as the kernel reads them: the layer's views as they are when in one dtype the kernel
+    takes (fp32, bf16) with unit-stride heads, else fp32 copies."""
+    dt = q.dtype
+    if dt in (torch.float32, torch.bfloat16) and k.dtype == dt and v.dtype == dt \
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
+        return q, k, v
+    return q.float().contiguous(), k.float().contiguous(), v.float().contiguous()

@@ -6,11 +6,12 @@
 // then the decayed write k delta^T, reading S^T q off it) and written once, with every depth of
 // the sequence in one task.
 //
-// q, k: [T, H, K] fp32, already L2-normalized (q also scaled) and expanded to the H value heads
-// v: [T, H, V] fp32;  g, beta: [T, H] fp32
+// q, k: [T, Hk, K], v: [T, H, V] in the model's dtype (fp32 or bf16), views with row strides; value
+// head h reads qk head h / (H / Hk); q and k are L2-normalized (q also scaled) in the kernel
+// g, beta: [T, H] fp32
 // pool: [P, H, K, V] fp32 contiguous, the states at `slots` ([N] int64) updated in place
 // rows depth-major: sequence n's row at depth d is offsets[d] + n, for d < lens[n]
-// o: [T, H, V] fp32, written
+// o: [T, H, V] in the model's dtype, written
 // saved: [S, H, K, V] fp32 or empty: with rows, the state of sequence n after depth d goes to row
 //        soff[d] + n when the sequence has a depth after d (what undoing a rejected draft restores)
 #include <torch/extension.h>
@@ -74,33 +75,6 @@ static inline void delta_step(float* __restrict__ S, const float* __restrict__ q
       out[j] += qi * s;
     }
   }
-}
-
-void gdr_decode_depths(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                       const at::Tensor& beta, at::Tensor& pool, const at::Tensor& slots, const at::Tensor& offsets,
-                       const at::Tensor& lens, at::Tensor& o, at::Tensor& saved, const at::Tensor& soff) {
-  const int64_t N = slots.size(0), H = q.size(1), K = q.size(2), V = v.size(2);
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
-  const int64_t *sl = slots.data_ptr<int64_t>(), *off = offsets.data_ptr<int64_t>(), *ln = lens.data_ptr<int64_t>();
-  const int64_t* so = soff.data_ptr<int64_t>();
-  float* pp = pool.data_ptr<float>();
-  float* op = o.data_ptr<float>();
-  float* sp = saved.numel() ? saved.data_ptr<float>() : nullptr;
-  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kv(V), delta(V);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t n = task / H, h = task % H;
-      float* S = pp + (sl[n] * H + h) * K * V;
-      for (int64_t d = 0; d < ln[n]; ++d) {
-        const int64_t r = (off[d] + n) * H + h;
-        delta_step(S, qp + r * K, kp + r * K, vp + r * V, std::exp(gp[r]), bp[r], op + r * V, kv.data(),
-                   delta.data(), K, V);
-        if (sp != nullptr && d + 1 < ln[n])
-          std::memcpy(sp + ((so[d] + n) * H + h) * K * V, S, K * V * sizeof(float));
-      }
-    }
-  });
 }
 
 // Prefill: sequence n is rows [starts[n], ends[n]) from the state at slots[n], left there; its
@@ -206,4 +180,63 @@ void gdr_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   TORCH_CHECK(q.scalar_type() == at::kFloat, "gdr_prefill: fp32 or bf16");
   gdr_prefill_impl<F32>(q, k, v, g, beta, o, pool, starts, ends, slots, tap_lo, tap_at, tap_dst, l2norm,
                         static_cast<float>(scale));
+}
+
+// Decode (and a jump-forward step's depths): rows depth-major, sequence n's row at depth d is
+// t = offsets[d] + n, d < lens[n]; the inputs as gdr_prefill reads them (the layer's views in the
+// model's dtype, qk heads mapped to value heads, q and k normalized here), o [T, H, V] in that
+// dtype; saved as in the header.
+template <typename IO>
+static void gdr_decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                            const at::Tensor& beta, at::Tensor& pool, const at::Tensor& slots,
+                            const at::Tensor& offsets, const at::Tensor& lens, at::Tensor& o, at::Tensor& saved,
+                            const at::Tensor& soff, bool l2norm, float scale) {
+  using S_ = typename IO::S;
+  const int64_t N = slots.size(0), Hk = q.size(1), H = v.size(1), K = q.size(2), V = v.size(2), G = H / Hk;
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1);
+  const S_ *qp = reinterpret_cast<const S_*>(q.data_ptr()), *kp = reinterpret_cast<const S_*>(k.data_ptr());
+  const S_* vp = reinterpret_cast<const S_*>(v.data_ptr());
+  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  const int64_t *sl = slots.data_ptr<int64_t>(), *off = offsets.data_ptr<int64_t>(), *ln = lens.data_ptr<int64_t>();
+  const int64_t* so = soff.data_ptr<int64_t>();
+  float* pp = pool.data_ptr<float>();
+  S_* op = reinterpret_cast<S_*>(o.data_ptr());
+  float* sp = saved.numel() ? saved.data_ptr<float>() : nullptr;
+  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> kv(V), delta(V), qr(K), kr(K), vr(V), out(V);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / H, h = task % H, hk = h / G;
+      float* S = pp + (sl[n] * H + h) * K * V;
+      for (int64_t d = 0; d < ln[n]; ++d) {
+        const int64_t t = off[d] + n, r = t * H + h;
+        load_scaled<IO>(qp + t * qs0 + hk * qs1, qr.data(), K, l2norm, scale);
+        load_scaled<IO>(kp + t * ks0 + hk * ks1, kr.data(), K, l2norm, 1.f);
+        const S_* vt = vp + t * vs0 + h * vs1;
+        for (int64_t i = 0; i < V; ++i) vr[i] = IO::load(vt[i]);
+        delta_step(S, qr.data(), kr.data(), vr.data(), std::exp(gp[r]), bp[r], out.data(), kv.data(), delta.data(),
+                   K, V);
+        S_* ot = op + r * V;
+        for (int64_t i = 0; i < V; ++i) ot[i] = IO::store(out[i]);
+        if (sp != nullptr && d + 1 < ln[n])
+          std::memcpy(sp + ((so[d] + n) * H + h) * K * V, S, K * V * sizeof(float));
+      }
+    }
+  });
+}
+
+void gdr_decode_depths(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                       const at::Tensor& beta, at::Tensor& pool, const at::Tensor& slots, const at::Tensor& offsets,
+                       const at::Tensor& lens, at::Tensor& o, at::Tensor& saved, const at::Tensor& soff, bool l2norm,
+                       double scale) {
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+              q.scalar_type() == o.scalar_type(), "gdr_decode_depths: q, k, v and o in one dtype");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && o.is_contiguous(),
+              "gdr_decode_depths: unit-stride heads, o contiguous");
+  TORCH_CHECK(v.size(1) % q.size(1) == 0, "gdr_decode_depths: value heads a multiple of qk heads");
+  if (q.scalar_type() == at::kBFloat16)
+    return gdr_decode_impl<BF16>(q, k, v, g, beta, pool, slots, offsets, lens, o, saved, soff, l2norm,
+                                 static_cast<float>(scale));
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "gdr_decode_depths: fp32 or bf16");
+  gdr_decode_impl<F32>(q, k, v, g, beta, pool, slots, offsets, lens, o, saved, soff, l2norm, static_cast<float>(scale));
 }

@@ -66,6 +66,36 @@ def test_gated_delta_rule_decode_matches_the_reference(built):
     torch.testing.assert_close(got_pool, want_pool, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("counts", DEPTHS[1:3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gated_delta_rule_decode_reads_the_layers_views(built, counts, dtype, monkeypatch):
+    """As the layer passes them (see the prefill's test): views of one row per token in the model's
+    dtype, 2 qk heads for 4 value heads; read as they are, the output in that dtype."""
+    T, N = sum(counts), counts[0]
+    q, k, v, g, beta = inputs(T, 2, 4, 64, 64, seed=len(counts) + 7)
+    mixed = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1), torch.zeros(T, 8)], 1).to(dtype)
+    q, k, v, _ = mixed.split([128, 128, 256, 8], 1)
+    q, k, v = q.view(T, 2, 64), k.view(T, 2, 64), v.view(T, 4, 64)
+    slots = torch.randperm(3 * N)[:N]
+    pool = torch.randn(3 * N, 4, 64, 64)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want, want_saved = gdr_ref.gated_delta_rule_decode_depths_slots(q, k, v, g, beta, want_pool, slots, counts)
+    contiguous = torch.Tensor.contiguous
+
+    def no_copy(x, *a, **kw):
+        assert x.is_contiguous(), "copied the layer's views"
+        return contiguous(x, *a, **kw)
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "contiguous", no_copy)
+        got, got_saved = gdr_cpu.gated_delta_rule_decode_depths_slots(q, k, v, g, beta, got_pool, slots, counts)
+    assert got.dtype == dtype
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    torch.testing.assert_close(got_pool, want_pool, atol=1e-4, rtol=1e-4)
+    for a, b in zip(got_saved, want_saved, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("counts", DEPTHS)
 @pytest.mark.parametrize("W", [2, 4])
 def test_conv_update_depths_match_the_reference(built, counts, W):
