@@ -242,6 +242,29 @@ def test_overlap_changes_no_output(models, name):
     assert n_on >= 5 and n_off == 0
 
 
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-hybrid"])
+def test_siblings_join_the_step_right_after_their_shared_prefill(models, name):
+    """An agent's fan-out: the first request prefills the preamble while its siblings wait for it
+    ("shared-prefix"). With overlap the step after that prefill waits for its exchange, so that the
+    siblings are granted into it: no step decodes the first request alone."""
+    pre = prompt(91, 200)
+    e = Engine(EngineConfig(model=models[name], page_size=16, max_total_tokens=16384, max_running_requests=8,
+                            burst_gap_s=0))
+    for i in range(4):
+        e.add(req(f"s{i}", pre + prompt(92 + i, 20), max_new_tokens=3, ignore_eos=True))
+    plans = []
+    run_plan = e.runner.run
+    e.runner.run = lambda plan: plans.append((plan.is_decode, [s.rid for s in plan.seqs])) or run_plan(plan)
+    out: dict[str, list[int]] = {}
+    while e.has_work():
+        for _, o in e.step():
+            out.setdefault(o.rid, []).extend(o.token_ids)
+    assert plans[0] == (False, ["s0"])                            # the preamble, once
+    assert not plans[1][0] and set(plans[1][1]) == {"s0", "s1", "s2", "s3"}   # the siblings join at once
+    assert e.counters["cached_tokens_total"] >= 3 * 192 and all(len(v) == 3 for v in out.values())
+    assert e.overlapped > 0 and no_leak(e)
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_more_requests_than_running_slots_all_finish(models, overlap):
     """Requests beyond max_running_requests wait and are admitted as others finish. With overlap a

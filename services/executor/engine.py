@@ -85,6 +85,9 @@ class Engine(RadixExchange):
         self._expect = 0         # requests announced (ExecRequest.burst) and not arrived yet
         self._radix_down_since = 0.0
         self._sync = False
+        # the last reply deferred candidates until a running request computes the page they share
+        # ("shared-prefix"): see step()
+        self._shared_wait = False
         self.preempted = 0       # sequences sent back to waiting for want of pages (decode_reserve)
         self.steps = 0
         self.mixed_steps = 0     # prefill steps that carried decode rows
@@ -221,7 +224,13 @@ class Engine(RadixExchange):
         if self.cfg.decode_reserve > 0:
             # a page ahead (and any draft's length): with overlap the answer comes a step later
             self.batcher.ask_growth(self.page_size, self.page_size + self.cfg.jump_forward + 1)
-        if self.cfg.overlap and self.batcher.running:
+        # Overlap, except right after a prefill step that computed what deferred candidates wait
+        # for (an agent's siblings wait for the first one's preamble): its progress reaches radix
+        # with this exchange, and overlapped, the siblings' grants would join only the step after
+        # this one, which would decode the first request alone (a whole step, and on the served
+        # path the exchange outlasted it by ~6 ms). Waiting for the answer instead costs one round
+        # trip, once per such prefill.
+        if self.cfg.overlap and self.batcher.running and not (self._shared_wait and self.batcher.progress):
             pending = self._send()
             self.overlapped += pending is not None
             outs += self._compute()

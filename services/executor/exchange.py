@@ -64,6 +64,7 @@ class RadixExchange(_Base):
             lost = [s for s in self.batcher.waiting if s.rid in cands]
             return [self._error(s, e.code, f"no KV pages: {e.message}") for s in lost]
         self._radix_down_since = 0.0
+        self._shared_wait = any(d.reason == "shared-prefix" for d in reply.deferred)
         started = self.batcher.apply(reply.grants, retry=any(d.reason in ("budget", "shared-prefix", "unknown")
                                                              for d in reply.deferred), deferred=reply.deferred)
         for rid, pages in reply.grown.items():
