@@ -429,7 +429,15 @@ def test_a_late_sibling_resumes_near_its_parting_point():
     step = lambda pool, cs, **kw: pool.step(RadixStep(pool="p", budget=10**6, max_admit=8, candidates=cs, **kw))
     got = {}
     for slots in (64, 8):
-        pool = PagePool(num_pages=512, page_size=16, num_state_slots=slots, checkpoint_interval=8192)
+        pool = PagePool(num_pages=2048, page_size=16, num_state_slots=slots, checkpoint_interval=8192)
+        if slots == 64:
+            # a warm pool: other long prompts left their checkpoints in the tree (unlocked, so
+            # they count as spare), and few slots are on the free list
+            for i in range(20):
+                other = Candidate(rid=f"o{i}", namespace="n", token_ids=[5000 + i] * 1000, reserve=8)
+                step(pool, [other])
+                step(pool, [], releases=[Release(rid=f"o{i}", output_ids=[], computed=1000)])
+            assert len(pool._free_states) < 64 // 4 < pool.tree.droppable_states()
         g = step(pool, [first]).grants[0]
         step(pool, [], progress=[Progress(rid="a", computed=3100)])
         step(pool, [], releases=[Release(rid="a", output_ids=[], computed=3100)])

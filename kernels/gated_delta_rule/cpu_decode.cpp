@@ -174,6 +174,8 @@ void gdr_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && o.is_contiguous(),
               "gdr_prefill: unit-stride heads, o contiguous");
   TORCH_CHECK(v.size(1) % q.size(1) == 0, "gdr_prefill: value heads a multiple of qk heads");
+  TORCH_CHECK(k.size(1) == q.size(1) && k.size(2) == q.size(2) && k.size(0) == q.size(0) && v.size(0) == q.size(0),
+              "gdr_prefill: q and k of one shape, one row per token in q, k and v");
   if (q.scalar_type() == at::kBFloat16)
     return gdr_prefill_impl<BF16>(q, k, v, g, beta, o, pool, starts, ends, slots, tap_lo, tap_at, tap_dst, l2norm,
                                   static_cast<float>(scale));
@@ -234,6 +236,8 @@ void gdr_decode_depths(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && o.is_contiguous(),
               "gdr_decode_depths: unit-stride heads, o contiguous");
   TORCH_CHECK(v.size(1) % q.size(1) == 0, "gdr_decode_depths: value heads a multiple of qk heads");
+  TORCH_CHECK(k.size(1) == q.size(1) && k.size(2) == q.size(2) && k.size(0) == q.size(0) && v.size(0) == q.size(0),
+              "gdr_decode_depths: q and k of one shape, one row per token in q, k and v");
   if (q.scalar_type() == at::kBFloat16)
     return gdr_decode_impl<BF16>(q, k, v, g, beta, pool, slots, offsets, lens, o, saved, soff, l2norm,
                                  static_cast<float>(scale));

@@ -230,7 +230,9 @@ class Engine(RadixExchange):
         # this one, which would decode the first request alone (a whole step, and on the served
         # path the exchange outlasted it by ~6 ms). Waiting for the answer instead costs one round
         # trip, once per such prefill.
-        if self.cfg.overlap and self.batcher.running and not (self._shared_wait and self.batcher.progress):
+        wait = self._shared_wait and bool(self.batcher.progress)
+        self._shared_wait = False      # once: an exchange that fails (radix down) does not renew it
+        if self.cfg.overlap and self.batcher.running and not wait:
             pending = self._send()
             self.overlapped += pending is not None
             outs += self._compute()

@@ -113,11 +113,15 @@ class Admission(_Base):
         extra = c.checkpoint_at + ([part] if part else [])
         plan = []
         if self.hybrid:
-            # the ladder only while state slots are plentiful: beyond a quarter of them free after
-            # it, so that it never costs an admission (a long prompt's grant takes ~4 more)
-            spare = len(self._free_states) - 2 - len(self.LADDER) - self.num_state_slots // 4
-            long = len(c.token_ids) - cached > 2 * self.LADDER[0]
-            plan = self._plan(c.token_ids, cached, m.length if m else 0, extra, ladder=long and spare > 0)
+            plan = self._plan(c.token_ids, cached, m.length if m else 0, extra)
+            if len(c.token_ids) - cached > 2 * self.LADDER[0]:
+                # the ladder only while state slots are plentiful: a quarter of them still free or
+                # held by unlocked tree checkpoints (which the tree gives up first, and which a warm
+                # pool is full of) after this grant, so that it never costs an admission
+                ladder = self._plan(c.token_ids, cached, m.length if m else 0, extra, ladder=True)
+                spare = len(self._free_states) + self.tree.droppable_states() - 2 - len(ladder)
+                if spare > self.num_state_slots // 4:
+                    plan = ladder
         self.tree.lock(node)
         fresh = self._alloc(pages_for(len(c.token_ids) + c.reserve, self.page_size) - len(cached_pages),
                             c.namespace, c.quota_pages)

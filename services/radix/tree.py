@@ -273,6 +273,10 @@ class RadixTree:
                     self._offer(parent)
         return Evicted(freed, states)
 
+    def droppable_states(self) -> int:
+        """Checkpoints evict_states could drop now (on unlocked nodes)."""
+        return sum(1 for x in self._stateful if x.lock == 0)
+
     def evict_states(self, n: int, owners: Collection[str] | None = None) -> list[int]:
         """Drop the states of up to n unlocked nodes (of `owners`' namespaces, if given), least
         recently used first; their KV stays."""
