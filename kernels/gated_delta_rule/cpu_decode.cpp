@@ -83,13 +83,14 @@ static inline void delta_step(float* __restrict__ S, const float* __restrict__ q
 // Token by token, where the torch reference runs the chunked form: at these head sizes the state
 // stays in the L1 cache and the recurrence is two passes over it per token.
 //
-// Unlike the decode form it reads the layer's tensors as they are: q, k [T, Hk, K] and v [T, H, V]
+// Both forms read the layer's tensors as they are: q, k [T, Hk, K] and v [T, H, V]
 // in the model's dtype (IO: F32 or BF16 of elementwise/cpu_fused.cpp), views with row strides (the
 // conv output split per head); value head h reads qk head h / (H / Hk); q and k are L2-normalized
 // here (when `l2norm`, eps inside the sqrt as in naive.l2norm) and q scaled by `scale`, in fp32.
 // g, beta: [T, H] fp32 contiguous; o: [T, H, V] in the model's dtype, contiguous, rounded once.
 // Preparing fp32, normalized, head-expanded copies in torch first cost ~0.9 ms a layer at 2,000
 // tokens, half the kernel's own time.
+
 // One token's q or k head into fp32 at dst, times `mul` and (l2norm) over its L2 norm. Fixed
 // sizes for the model's head sizes: the loops vectorize (the bf16 loads are bit shifts).
 template <typename IO, int K>
@@ -120,42 +121,75 @@ static inline void load_scaled(const typename IO::S* __restrict__ src, float* __
   for (int64_t i = 0; i < K; ++i) dst[i] *= f;
 }
 
+// Both forms' tokens: the layer's views (see above) and the step of one token on one value head's
+// state, from its inputs to its output row.
 template <typename IO>
-static void gdr_prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                             const at::Tensor& beta, at::Tensor& o, at::Tensor& pool, const at::Tensor& starts,
-                             const at::Tensor& ends, const at::Tensor& slots, const at::Tensor& tap_lo,
-                             const at::Tensor& tap_at, const at::Tensor& tap_dst, bool l2norm, float scale) {
+struct TokenRows {
   using S_ = typename IO::S;
-  const int64_t N = slots.size(0), Hk = q.size(1), H = v.size(1), K = q.size(2), V = v.size(2), G = H / Hk;
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
-  const int64_t vs0 = v.stride(0), vs1 = v.stride(1);
-  const S_ *qp = reinterpret_cast<const S_*>(q.data_ptr()), *kp = reinterpret_cast<const S_*>(k.data_ptr());
-  const S_* vp = reinterpret_cast<const S_*>(v.data_ptr());
-  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  const S_ *qp, *kp, *vp;
+  S_* op;
+  const float *gp, *bp;
+  int64_t qs0, qs1, ks0, ks1, vs0, vs1, H, G, K, V;
+  bool l2norm;
+  float scale;
+
+  TokenRows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+            const at::Tensor& beta, at::Tensor& o, bool l2norm_, float scale_)
+      : qp(reinterpret_cast<const S_*>(q.data_ptr())), kp(reinterpret_cast<const S_*>(k.data_ptr())),
+        vp(reinterpret_cast<const S_*>(v.data_ptr())), op(reinterpret_cast<S_*>(o.data_ptr())),
+        gp(g.data_ptr<float>()), bp(beta.data_ptr<float>()), qs0(q.stride(0)), qs1(q.stride(1)),
+        ks0(k.stride(0)), ks1(k.stride(1)), vs0(v.stride(0)), vs1(v.stride(1)), H(v.size(1)),
+        G(v.size(1) / q.size(1)), K(q.size(2)), V(v.size(2)), l2norm(l2norm_), scale(scale_) {}
+
+  struct Scratch {
+    std::vector<float> kv, delta, q, k, v, out;
+    Scratch(int64_t K, int64_t V) : kv(V), delta(V), q(K), k(K), v(V), out(V) {}
+  };
+
+  // token t on value head h, whose state S is updated in place; its output row written
+  void step(float* S, int64_t t, int64_t h, Scratch& w) const {
+    const int64_t hk = h / G, r = t * H + h;
+    load_scaled<IO>(qp + t * qs0 + hk * qs1, w.q.data(), K, l2norm, scale);
+    load_scaled<IO>(kp + t * ks0 + hk * ks1, w.k.data(), K, l2norm, 1.f);
+    const S_* vt = vp + t * vs0 + h * vs1;
+#pragma omp simd
+    for (int64_t i = 0; i < V; ++i) w.v[i] = IO::load(vt[i]);
+    delta_step(S, w.q.data(), w.k.data(), w.v.data(), std::exp(gp[r]), bp[r], w.out.data(), w.kv.data(),
+               w.delta.data(), K, V);
+    S_* ot = op + r * V;
+#pragma omp simd
+    for (int64_t i = 0; i < V; ++i) ot[i] = IO::store(w.out[i]);
+  }
+};
+
+static void check_views(const char* name, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& o) {
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+              q.scalar_type() == o.scalar_type(), name, ": q, k, v and o in one dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, name, ": fp32 or bf16");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && o.is_contiguous(),
+              name, ": unit-stride heads, o contiguous");
+  TORCH_CHECK(v.size(1) % q.size(1) == 0, name, ": value heads a multiple of qk heads");
+  TORCH_CHECK(k.size(1) == q.size(1) && k.size(2) == q.size(2) && k.size(0) == q.size(0) && v.size(0) == q.size(0),
+              name, ": q and k of one shape, one row per token in q, k and v");
+}
+
+template <typename IO>
+static void gdr_prefill_impl(const TokenRows<IO>& rows, at::Tensor& pool, const at::Tensor& starts,
+                             const at::Tensor& ends, const at::Tensor& slots, const at::Tensor& tap_lo,
+                             const at::Tensor& tap_at, const at::Tensor& tap_dst) {
+  const int64_t N = slots.size(0), H = rows.H, K = rows.K, V = rows.V;
   const int64_t *st = starts.data_ptr<int64_t>(), *en = ends.data_ptr<int64_t>(), *sl = slots.data_ptr<int64_t>();
   const int64_t *tl = tap_lo.data_ptr<int64_t>(), *ta = tap_at.data_ptr<int64_t>(), *td = tap_dst.data_ptr<int64_t>();
   float* pp = pool.data_ptr<float>();
-  S_* op = reinterpret_cast<S_*>(o.data_ptr());
   at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kv(V), delta(V), qr(K), kr(K), vr(V), out(V);
+    typename TokenRows<IO>::Scratch w(K, V);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t n = task / H, h = task % H, hk = h / G;
+      const int64_t n = task / H, h = task % H;
       float* S = pp + (sl[n] * H + h) * K * V;
       int64_t j = tl[n];
       for (int64_t t = st[n]; t < en[n]; ++t) {
-        const S_* qt = qp + t * qs0 + hk * qs1;
-        const S_* kt = kp + t * ks0 + hk * ks1;
-        const S_* vt = vp + t * vs0 + h * vs1;
-        load_scaled<IO>(qt, qr.data(), K, l2norm, scale);
-        load_scaled<IO>(kt, kr.data(), K, l2norm, 1.f);
-#pragma omp simd
-        for (int64_t i = 0; i < V; ++i) vr[i] = IO::load(vt[i]);
-        const int64_t r = t * H + h;
-        delta_step(S, qr.data(), kr.data(), vr.data(), std::exp(gp[r]), bp[r], out.data(), kv.data(), delta.data(),
-                   K, V);
-        S_* ot = op + r * V;
-#pragma omp simd
-        for (int64_t i = 0; i < V; ++i) ot[i] = IO::store(out[i]);
+        rows.step(S, t, h, w);
         if (j < tl[n + 1] && ta[j] == t + 1 - st[n]) {
           std::memcpy(pp + (td[j] * H + h) * K * V, S, K * V * sizeof(float));
           ++j;
@@ -169,57 +203,33 @@ void gdr_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                  const at::Tensor& beta, at::Tensor& o, at::Tensor& pool, const at::Tensor& starts,
                  const at::Tensor& ends, const at::Tensor& slots, const at::Tensor& tap_lo, const at::Tensor& tap_at,
                  const at::Tensor& tap_dst, bool l2norm, double scale) {
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
-              q.scalar_type() == o.scalar_type(), "gdr_prefill: q, k, v and o in one dtype");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && o.is_contiguous(),
-              "gdr_prefill: unit-stride heads, o contiguous");
-  TORCH_CHECK(v.size(1) % q.size(1) == 0, "gdr_prefill: value heads a multiple of qk heads");
-  TORCH_CHECK(k.size(1) == q.size(1) && k.size(2) == q.size(2) && k.size(0) == q.size(0) && v.size(0) == q.size(0),
-              "gdr_prefill: q and k of one shape, one row per token in q, k and v");
+  check_views("gdr_prefill", q, k, v, o);
+  const float sc = static_cast<float>(scale);
   if (q.scalar_type() == at::kBFloat16)
-    return gdr_prefill_impl<BF16>(q, k, v, g, beta, o, pool, starts, ends, slots, tap_lo, tap_at, tap_dst, l2norm,
-                                  static_cast<float>(scale));
-  TORCH_CHECK(q.scalar_type() == at::kFloat, "gdr_prefill: fp32 or bf16");
-  gdr_prefill_impl<F32>(q, k, v, g, beta, o, pool, starts, ends, slots, tap_lo, tap_at, tap_dst, l2norm,
-                        static_cast<float>(scale));
+    return gdr_prefill_impl(TokenRows<BF16>(q, k, v, g, beta, o, l2norm, sc), pool, starts, ends, slots, tap_lo,
+                            tap_at, tap_dst);
+  gdr_prefill_impl(TokenRows<F32>(q, k, v, g, beta, o, l2norm, sc), pool, starts, ends, slots, tap_lo, tap_at,
+                   tap_dst);
 }
 
 // Decode (and a jump-forward step's depths): rows depth-major, sequence n's row at depth d is
-// t = offsets[d] + n, d < lens[n]; the inputs as gdr_prefill reads them (the layer's views in the
-// model's dtype, qk heads mapped to value heads, q and k normalized here), o [T, H, V] in that
-// dtype; saved as in the header.
+// t = offsets[d] + n, d < lens[n]; the inputs and o as gdr_prefill's; saved as in the header.
 template <typename IO>
-static void gdr_decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                            const at::Tensor& beta, at::Tensor& pool, const at::Tensor& slots,
-                            const at::Tensor& offsets, const at::Tensor& lens, at::Tensor& o, at::Tensor& saved,
-                            const at::Tensor& soff, bool l2norm, float scale) {
-  using S_ = typename IO::S;
-  const int64_t N = slots.size(0), Hk = q.size(1), H = v.size(1), K = q.size(2), V = v.size(2), G = H / Hk;
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
-  const int64_t vs0 = v.stride(0), vs1 = v.stride(1);
-  const S_ *qp = reinterpret_cast<const S_*>(q.data_ptr()), *kp = reinterpret_cast<const S_*>(k.data_ptr());
-  const S_* vp = reinterpret_cast<const S_*>(v.data_ptr());
-  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
+static void gdr_decode_impl(const TokenRows<IO>& rows, at::Tensor& pool, const at::Tensor& slots,
+                            const at::Tensor& offsets, const at::Tensor& lens, at::Tensor& saved,
+                            const at::Tensor& soff) {
+  const int64_t N = slots.size(0), H = rows.H, K = rows.K, V = rows.V;
   const int64_t *sl = slots.data_ptr<int64_t>(), *off = offsets.data_ptr<int64_t>(), *ln = lens.data_ptr<int64_t>();
   const int64_t* so = soff.data_ptr<int64_t>();
   float* pp = pool.data_ptr<float>();
-  S_* op = reinterpret_cast<S_*>(o.data_ptr());
   float* sp = saved.numel() ? saved.data_ptr<float>() : nullptr;
   at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kv(V), delta(V), qr(K), kr(K), vr(V), out(V);
+    typename TokenRows<IO>::Scratch w(K, V);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t n = task / H, h = task % H, hk = h / G;
+      const int64_t n = task / H, h = task % H;
       float* S = pp + (sl[n] * H + h) * K * V;
       for (int64_t d = 0; d < ln[n]; ++d) {
-        const int64_t t = off[d] + n, r = t * H + h;
-        load_scaled<IO>(qp + t * qs0 + hk * qs1, qr.data(), K, l2norm, scale);
-        load_scaled<IO>(kp + t * ks0 + hk * ks1, kr.data(), K, l2norm, 1.f);
-        const S_* vt = vp + t * vs0 + h * vs1;
-        for (int64_t i = 0; i < V; ++i) vr[i] = IO::load(vt[i]);
-        delta_step(S, qr.data(), kr.data(), vr.data(), std::exp(gp[r]), bp[r], out.data(), kv.data(), delta.data(),
-                   K, V);
-        S_* ot = op + r * V;
-        for (int64_t i = 0; i < V; ++i) ot[i] = IO::store(out[i]);
+        rows.step(S, off[d] + n, h, w);
         if (sp != nullptr && d + 1 < ln[n])
           std::memcpy(sp + ((so[d] + n) * H + h) * K * V, S, K * V * sizeof(float));
       }
@@ -231,16 +241,9 @@ void gdr_decode_depths(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        const at::Tensor& beta, at::Tensor& pool, const at::Tensor& slots, const at::Tensor& offsets,
                        const at::Tensor& lens, at::Tensor& o, at::Tensor& saved, const at::Tensor& soff, bool l2norm,
                        double scale) {
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
-              q.scalar_type() == o.scalar_type(), "gdr_decode_depths: q, k, v and o in one dtype");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && o.is_contiguous(),
-              "gdr_decode_depths: unit-stride heads, o contiguous");
-  TORCH_CHECK(v.size(1) % q.size(1) == 0, "gdr_decode_depths: value heads a multiple of qk heads");
-  TORCH_CHECK(k.size(1) == q.size(1) && k.size(2) == q.size(2) && k.size(0) == q.size(0) && v.size(0) == q.size(0),
-              "gdr_decode_depths: q and k of one shape, one row per token in q, k and v");
+  check_views("gdr_decode_depths", q, k, v, o);
+  const float sc = static_cast<float>(scale);
   if (q.scalar_type() == at::kBFloat16)
-    return gdr_decode_impl<BF16>(q, k, v, g, beta, pool, slots, offsets, lens, o, saved, soff, l2norm,
-                                 static_cast<float>(scale));
-  TORCH_CHECK(q.scalar_type() == at::kFloat, "gdr_decode_depths: fp32 or bf16");
-  gdr_decode_impl<F32>(q, k, v, g, beta, pool, slots, offsets, lens, o, saved, soff, l2norm, static_cast<float>(scale));
+    return gdr_decode_impl(TokenRows<BF16>(q, k, v, g, beta, o, l2norm, sc), pool, slots, offsets, lens, saved, soff);
+  gdr_decode_impl(TokenRows<F32>(q, k, v, g, beta, o, l2norm, sc), pool, slots, offsets, lens, saved, soff);
 }

@@ -80,14 +80,8 @@ def test_gated_delta_rule_decode_reads_the_layers_views(built, counts, dtype, mo
     pool = torch.randn(3 * N, 4, 64, 64)
     want_pool, got_pool = pool.clone(), pool.clone()
     want, want_saved = gdr_ref.gated_delta_rule_decode_depths_slots(q, k, v, g, beta, want_pool, slots, counts)
-    direct = gdr_cpu._direct
-
-    def no_copy(*views):
-        out = direct(*views)
-        assert all(a is b for a, b in zip(out, views)), "copied the layer's views"
-        return out
     with monkeypatch.context() as m:
-        m.setattr(gdr_cpu, "_direct", no_copy)
+        m.setattr(gdr_cpu, "_direct", _no_copy)
         got, got_saved = gdr_cpu.gated_delta_rule_decode_depths_slots(q, k, v, g, beta, got_pool, slots, counts)
     assert got.dtype == dtype
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
@@ -165,6 +159,16 @@ def test_gated_delta_rule_prefill_matches_the_reference(built, bounds, taps, K, 
     assert bool((got16[~mine] == 7.0).all())
 
 
+def _no_copy(*views):
+    """gdr_cpu._direct, checking that the kernel gets the layer's views themselves."""
+    out = _direct(*views)
+    assert all(a is b for a, b in zip(out, views)), "copied the layer's views"
+    return out
+
+
+_direct = gdr_cpu._direct
+
+
 @pytest.mark.parametrize("bounds,taps", PREFILLS[1:])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gated_delta_rule_prefill_reads_the_layers_views(built, bounds, taps, dtype, monkeypatch):
@@ -181,15 +185,9 @@ def test_gated_delta_rule_prefill_reads_the_layers_views(built, bounds, taps, dt
     want_pool, got_pool = pool.clone(), pool.clone()
     want, got = torch.full((T, 4, V), 7.0, dtype=dtype), torch.full((T, 4, V), 7.0, dtype=dtype)
     packed_ref.gated_delta_rule_prefill_slots(q, k, v, g, beta, want, want_pool, bounds, slots, taps)
-    direct = gdr_cpu._direct
-
-    def no_copy(*views):
-        out = direct(*views)
-        assert all(a is b for a, b in zip(out, views)), "copied the layer's views"
-        return out
     with monkeypatch.context() as m:
         m.setattr(gdr_cpu, "spans", lambda *a: pytest.fail("went through an fp32 buffer"))
-        m.setattr(gdr_cpu, "_direct", no_copy)
+        m.setattr(gdr_cpu, "_direct", _no_copy)
         m.setattr(gdr_cpu.packed, "gated_delta_rule_prefill_slots", lambda *a, **k: pytest.fail("went to the reference"))
         gdr_cpu.gated_delta_rule_prefill_slots(q, k, v, g, beta, got, got_pool, bounds, slots, taps)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
