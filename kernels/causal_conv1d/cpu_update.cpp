@@ -54,6 +54,23 @@ void conv_update_depths(const at::Tensor& x, at::Tensor& pool, const at::Tensor&
 // x and y in the model's dtype (fp32 or bf16: F32 / BF16 of elementwise/cpu_fused.cpp, built
 // before this file), the conv and the SiLU (when `silu`) in fp32, y rounded once: one pass over
 // the rows, where casting x to fp32, a separate SiLU and casting back were four.
+// The prefill forms' arguments as pointers (both read them alike).
+template <typename S>
+struct Rows {
+  const S* xp;
+  S* yp;
+  float* pp;
+  const float* wp;
+  const int64_t *st, *en, *sl, *tl, *ta, *td;
+  Rows(const at::Tensor& x, at::Tensor& y, at::Tensor& pool, const at::Tensor& weight, const at::Tensor& starts,
+       const at::Tensor& ends, const at::Tensor& slots, const at::Tensor& tap_lo, const at::Tensor& tap_at,
+       const at::Tensor& tap_dst)
+      : xp(reinterpret_cast<const S*>(x.data_ptr())), yp(reinterpret_cast<S*>(y.data_ptr())),
+        pp(pool.data_ptr<float>()), wp(weight.data_ptr<float>()), st(starts.data_ptr<int64_t>()),
+        en(ends.data_ptr<int64_t>()), sl(slots.data_ptr<int64_t>()), tl(tap_lo.data_ptr<int64_t>()),
+        ta(tap_at.data_ptr<int64_t>()), td(tap_dst.data_ptr<int64_t>()) {}
+};
+
 template <typename IO>
 static void conv_prefill_impl(const at::Tensor& x, at::Tensor& y, at::Tensor& pool, const at::Tensor& weight,
                               const at::Tensor& starts, const at::Tensor& ends, const at::Tensor& slots,
@@ -63,26 +80,21 @@ static void conv_prefill_impl(const at::Tensor& x, at::Tensor& y, at::Tensor& po
   constexpr int64_t BLOCK = 64, MAXW = 8;
   TORCH_CHECK(W <= MAXW, "conv kernel width above ", MAXW);
   const int64_t blocks = (C + BLOCK - 1) / BLOCK;
-  const S* xp = reinterpret_cast<const S*>(x.data_ptr());
-  const float* wp = weight.data_ptr<float>();
-  const int64_t *st = starts.data_ptr<int64_t>(), *en = ends.data_ptr<int64_t>(), *sl = slots.data_ptr<int64_t>();
-  const int64_t *tl = tap_lo.data_ptr<int64_t>(), *ta = tap_at.data_ptr<int64_t>(), *td = tap_dst.data_ptr<int64_t>();
-  float* pp = pool.data_ptr<float>();
-  S* yp = reinterpret_cast<S*>(y.data_ptr());
+  const Rows<S> r(x, y, pool, weight, starts, ends, slots, tap_lo, tap_at, tap_dst);
   at::parallel_for(0, N * blocks, 1, [&](int64_t begin, int64_t end) {
     float win[MAXW][BLOCK], wt[MAXW][BLOCK];      // win[i][c]: the i-th oldest input; wt[i][c] = weight[c, i]
     float xin[BLOCK], acc[BLOCK];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / blocks, c0 = (task % blocks) * BLOCK, B = std::min(C, c0 + BLOCK) - c0;
-      float* s = pp + sl[n] * C * M;
+      float* s = r.pp + r.sl[n] * C * M;
       for (int64_t c = 0; c < B; ++c) {
         for (int64_t i = 0; i < M; ++i) win[i][c] = s[(c0 + c) * M + i];
-        for (int64_t i = 0; i < W; ++i) wt[i][c] = wp[(c0 + c) * W + i];
+        for (int64_t i = 0; i < W; ++i) wt[i][c] = r.wp[(c0 + c) * W + i];
       }
-      int64_t j = tl[n];
-      for (int64_t t = st[n]; t < en[n]; ++t) {
-        const S* __restrict__ xr = xp + t * C + c0;
-        S* __restrict__ yr = yp + t * C + c0;
+      int64_t j = r.tl[n];
+      for (int64_t t = r.st[n]; t < r.en[n]; ++t) {
+        const S* __restrict__ xr = r.xp + t * C + c0;
+        S* __restrict__ yr = r.yp + t * C + c0;
         for (int64_t c = 0; c < B; ++c) xin[c] = IO::load(xr[c]);
         for (int64_t c = 0; c < B; ++c) {
           float a = wt[M][c] * xin[c];
@@ -96,9 +108,9 @@ static void conv_prefill_impl(const at::Tensor& x, at::Tensor& y, at::Tensor& po
           for (int64_t c = 0; c < B; ++c) win[i][c] = win[i + 1][c];
         if (M > 0)
           for (int64_t c = 0; c < B; ++c) win[M - 1][c] = xin[c];
-        if (j < tl[n + 1] && ta[j] == t + 1 - st[n]) {
+        if (j < r.tl[n + 1] && r.ta[j] == t + 1 - r.st[n]) {
           for (int64_t c = 0; c < B; ++c)
-            for (int64_t i = 0; i < M; ++i) pp[(td[j] * C + c0 + c) * M + i] = win[i][c];
+            for (int64_t i = 0; i < M; ++i) r.pp[(r.td[j] * C + c0 + c) * M + i] = win[i][c];
           ++j;
         }
       }
@@ -125,12 +137,7 @@ static void conv4_prefill16(const at::Tensor& x, at::Tensor& y, at::Tensor& pool
   using S = typename IO::S;
   constexpr int W = 4, M = 3, L = 16;
   const int64_t N = slots.size(0), C = x.size(1), blocks = C / L;
-  const S* xp = reinterpret_cast<const S*>(x.data_ptr());
-  const float* wp = weight.data_ptr<float>();
-  const int64_t *st = starts.data_ptr<int64_t>(), *en = ends.data_ptr<int64_t>(), *sl = slots.data_ptr<int64_t>();
-  const int64_t *tl = tap_lo.data_ptr<int64_t>(), *ta = tap_at.data_ptr<int64_t>(), *td = tap_dst.data_ptr<int64_t>();
-  float* pp = pool.data_ptr<float>();
-  S* yp = reinterpret_cast<S*>(y.data_ptr());
+  const Rows<S> r(x, y, pool, weight, starts, ends, slots, tap_lo, tap_at, tap_dst);
   // lane c of the window vectors: channel c0 + c, whose M carried inputs are contiguous in the pool
   const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                            _mm512_set1_epi32(M));
@@ -139,24 +146,24 @@ static void conv4_prefill16(const at::Tensor& x, at::Tensor& y, at::Tensor& pool
   at::parallel_for(0, N * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / blocks, c0 = (task % blocks) * L;
-      float* s = pp + (sl[n] * C + c0) * M;
-      const float* w = wp + c0 * W;
+      float* s = r.pp + (r.sl[n] * C + c0) * M;
+      const float* w = r.wp + c0 * W;
       const __m512 w0 = _mm512_i32gather_ps(wlanes, w, 4), w1 = _mm512_i32gather_ps(wlanes, w + 1, 4),
                    w2 = _mm512_i32gather_ps(wlanes, w + 2, 4), w3 = _mm512_i32gather_ps(wlanes, w + 3, 4);
       __m512 a0 = _mm512_i32gather_ps(lanes, s, 4), a1 = _mm512_i32gather_ps(lanes, s + 1, 4),
              a2 = _mm512_i32gather_ps(lanes, s + 2, 4);
-      int64_t j = tl[n];
-      for (int64_t t = st[n]; t < en[n]; ++t) {
-        const __m512 xin = conv_ld16(xp + t * C + c0);
+      int64_t j = r.tl[n];
+      for (int64_t t = r.st[n]; t < r.en[n]; ++t) {
+        const __m512 xin = conv_ld16(r.xp + t * C + c0);
         __m512 acc = _mm512_fmadd_ps(w0, a0, _mm512_fmadd_ps(w1, a1, _mm512_fmadd_ps(w2, a2, _mm512_mul_ps(w3, xin))));
         if (silu)
           acc = _mm512_div_ps(acc, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_fast16(_mm512_sub_ps(_mm512_setzero_ps(), acc))));
-        conv_st16(yp + t * C + c0, acc);
+        conv_st16(r.yp + t * C + c0, acc);
         a0 = a1;
         a1 = a2;
         a2 = xin;
-        if (j < tl[n + 1] && ta[j] == t + 1 - st[n]) {
-          float* d = pp + (td[j] * C + c0) * M;
+        if (j < r.tl[n + 1] && r.ta[j] == t + 1 - r.st[n]) {
+          float* d = r.pp + (r.td[j] * C + c0) * M;
           _mm512_i32scatter_ps(d, lanes, a0, 4);
           _mm512_i32scatter_ps(d + 1, lanes, a1, 4);
           _mm512_i32scatter_ps(d + 2, lanes, a2, 4);
