@@ -82,6 +82,7 @@ def cpu_kernels() -> Kernels:
     return dataclasses.replace(reference(), name="cpu", rms_norm=ew.rms_norm, silu_mul=ew.silu_mul,
                                gated_rms_norm=ew.gated_rms_norm, apply_bitmask=bitmask.apply_bitmask,
                                decode_attention=attention.decode_attention, cascade_decode=attention.cascade_decode,
+                               cascade_prefill=attention.cascade_prefill, extend_attention=attention.extend_attention,
                                gated_delta_rule_decode_slots=gdr.gated_delta_rule_decode_slots,
                                gated_delta_rule_decode_depths_slots=gdr.gated_delta_rule_decode_depths_slots,
                                gated_delta_rule_prefill_slots=gdr.gated_delta_rule_prefill_slots,

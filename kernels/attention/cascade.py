@@ -93,15 +93,17 @@ def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Te
 
 
 def cascade_prefill(q, k_cache, v_cache, bounds: list[tuple[int, int]], seq_slots: list[torch.Tensor],
-                    prefix_lens: list[int], groups: list[SharedPrefix], scale: float) -> torch.Tensor:
+                    prefix_lens: list[int], groups: list[SharedPrefix], scale: float, attend=None) -> torch.Tensor:
     """Prefill of several sequences (packed q [T, Hq, D]); a group's shared prefix lies within every
-    member's cached prefix, so all of the member's new tokens see all of it."""
+    member's cached prefix, so all of the member's new tokens see all of it. `attend`: attend_lse's
+    signature (kernels/attention/cpu.py passes its kernel form)."""
+    attend = attend or attend_lse
     dev = q.device
     out = torch.empty(q.shape, dtype=torch.float32, device=dev)
     grouped, starts, sh_o, sh_lse = [], {}, [], []
     for g in groups:
         rows = torch.cat([torch.arange(*bounds[i], device=dev) for i in g.seqs])
-        o, lse = attend_lse(q[rows], *g.kv(k_cache, v_cache), scale)
+        o, lse = attend(q[rows], *g.kv(k_cache, v_cache), scale)
         sh_o.append(o)
         sh_lse.append(lse)
         grouped += g.seqs
@@ -119,7 +121,7 @@ def cascade_prefill(q, k_cache, v_cache, bounds: list[tuple[int, int]], seq_slot
             flat = torch.cat([torch.arange(len(x), device=dev) + j * E for j, x in enumerate(own_q)])
             o, lse = o.flatten(0, 1)[flat], lse.flatten(0, 1)[flat]
         else:
-            parts = [attend_lse(x, gather_rows(k_cache, k), gather_rows(v_cache, k), scale,
+            parts = [attend(x, gather_rows(k_cache, k), gather_rows(v_cache, k), scale,
                                 torch.arange(off, off + len(x), device=dev))
                      for x, k, off in zip(own_q, own_k, q_off)]
             o, lse = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
@@ -130,7 +132,7 @@ def cascade_prefill(q, k_cache, v_cache, bounds: list[tuple[int, int]], seq_slot
             continue
         q_pos = torch.arange(prefix_lens[i], prefix_lens[i] + e - s, device=dev)
         k, v = gather_rows(k_cache, seq_slots[i]), gather_rows(v_cache, seq_slots[i])
-        out[s:e] = attend_lse(q[s:e], k, v, scale, q_pos)[0]
+        out[s:e] = attend(q[s:e], k, v, scale, q_pos)[0]
     return out.to(q.dtype)
 
 
@@ -218,11 +220,12 @@ def own_decode(q, k_cache, v_cache, own_table: torch.Tensor, own_lens: torch.Ten
 
 
 def with_shared(q, k_cache, v_cache, groups: list[SharedPrefix], scale: float, o: torch.Tensor,
-                lse: torch.Tensor) -> torch.Tensor:
+                lse: torch.Tensor, attend=None) -> torch.Tensor:
     """Merge each group's shared prefix (read once for the group) into its rows' own-part attention
-    (o, lse: own_decode's); the result in q's dtype."""
+    (o, lse: own_decode's); the result in q's dtype. `attend` as in cascade_prefill."""
+    attend = attend or attend_lse
     for g in groups:
         rows = torch.tensor(g.seqs, device=q.device)
-        o_s, lse_s = attend_lse(q[rows], *g.kv(k_cache, v_cache), scale)
+        o_s, lse_s = attend(q[rows], *g.kv(k_cache, v_cache), scale)
         o[rows] = merge(o[rows], lse[rows], o_s, lse_s)
     return o.to(q.dtype)

@@ -1,12 +1,15 @@
-"""Decode attention by the CPU kernel (cpu_decode.cpp, built by kernels.cpu_ext), with the
-signatures of the torch forms (naive.decode_attention, cascade.cascade_decode), which serve until the
-kernel is built and for what it does not take (another device or dtype, q and pool in two dtypes).
-Prefill attention stays torch's flash-attention op: there the FLOPs are many and the op is fast."""
+"""Attention by the CPU kernels (built by kernels.cpu_ext), with the signatures of the torch forms,
+which serve until the kernels are built and for what they do not take (another device or dtype, q
+and pool in two dtypes):
+- decode (cpu_decode.cpp): naive.decode_attention, cascade.cascade_decode's own parts;
+- many query rows over one K/V in bf16 (cpu_prefill.cpp): cascade.attend_lse, which extend_attention,
+  cascade_prefill and the shared part of cascade_decode take (torch's flash-attention op for the rest)."""
 from __future__ import annotations
 
 import torch
 
 from .. import cpu_ext
+from ..packing import gather_rows
 from . import cascade, naive
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -33,11 +36,43 @@ def decode_attention(q, k_cache, v_cache, slot_table, seq_lens, scale: float) ->
     return _rows(ext, q, k_cache, v_cache, slot_table, seq_lens, scale)[0].to(q.dtype)
 
 
+def attend_lse(q, k, v, scale: float, q_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cascade.attend_lse."""
+    ext = cpu_ext.get()
+    if ext is None or not (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.bfloat16
+                           and q.shape[2] in (64, 128, 256) and k.shape[0] > 0 and ext.attend_takes_bf16()):
+        return cascade.attend_lse(q, k, v, scale, q_pos)
+    o = torch.empty(q.shape, dtype=torch.float32)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32)
+    pos = torch.empty(0, dtype=torch.int64) if q_pos is None else q_pos.to(torch.int64).contiguous()
+    ext.attend_prefill(q if q.stride(2) == 1 else q.contiguous(), k if k.stride(2) == 1 else k.contiguous(),
+                       v if v.stride(2) == 1 else v.contiguous(), pos, float(scale), o, lse)
+    return o, lse
+
+
+def extend_attention(q, k_cache, v_cache, bounds, seq_slots, prefix_lens, scale: float) -> torch.Tensor:
+    """naive.extend_attention: each sequence's new tokens over its slots by attend_lse above."""
+    if not (q.dtype == k_cache.dtype == torch.bfloat16 and q.device.type == "cpu"):
+        return naive.extend_attention(q, k_cache, v_cache, bounds, seq_slots, prefix_lens, scale)
+    o = torch.empty_like(q)
+    for (s, e), slots, p in zip(bounds, seq_slots, prefix_lens):
+        if len(slots) != p + e - s:
+            raise ValueError(f"len(slots)={len(slots)} != prefix_len + E = {p} + {e - s}")
+        o[s:e] = attend_lse(q[s:e], gather_rows(k_cache, slots), gather_rows(v_cache, slots), scale,
+                            torch.arange(p, p + e - s))[0]
+    return o
+
+
+def cascade_prefill(q, k_cache, v_cache, bounds, seq_slots, prefix_lens, groups, scale: float) -> torch.Tensor:
+    """cascade.cascade_prefill with attend_lse above."""
+    return cascade.cascade_prefill(q, k_cache, v_cache, bounds, seq_slots, prefix_lens, groups, scale, attend=attend_lse)
+
+
 def cascade_decode(q, k_cache, v_cache, own_table, own_lens, groups, scale: float) -> torch.Tensor:
-    """cascade.cascade_decode: the own parts by the kernel, each group's shared prefix as there
-    (one flash-attention call over it for the group's rows), merged by their log-sum-exp."""
+    """cascade.cascade_decode: the own parts by the decode kernel, each group's shared prefix read
+    once for the group's rows (attend_lse above), merged by their log-sum-exp."""
     ext = cpu_ext.get()
     if ext is None or not _takes(q, k_cache, v_cache):
         return cascade.cascade_decode(q, k_cache, v_cache, own_table, own_lens, groups, scale)
     o, lse = _rows(ext, q, k_cache, v_cache, own_table, own_lens, scale)
-    return cascade.with_shared(q, k_cache, v_cache, groups, scale, o, lse)
+    return cascade.with_shared(q, k_cache, v_cache, groups, scale, o, lse, attend=attend_lse)

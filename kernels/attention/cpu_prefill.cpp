@@ -1,0 +1,273 @@
+// Prefill attention on the CPU in bf16 with AVX512-BF16 (vdpbf16ps): many query rows over one K/V
+// (a group's shared prefix, or one sequence causally). cascade.attend_lse's kernel form.
+//
+// Why: torch's CPU flash-attention op was 71% of a dense agent-workload step on a CPU without AMX
+// (3.7 core-ns per query-key score at head size 64; its bf16 GEMMs are oneDNN calls on 64-wide
+// blocks, and its softmax a pass of its own). Here the two products run as register-blocked
+// vdpbf16ps micro-kernels over K and V packed once per call, and the online softmax stays in L1
+// between them.
+//
+// q: [T, Hq, D] bf16 (any strides but the last);  k, v: [S, Hkv, D] bf16 (the same)
+// q_pos: [T] int64 (key j visible to query t iff j <= q_pos[t]) or empty (every key visible)
+// o: [T, Hq, D] fp32 contiguous, written;  lse: [T, Hq] fp32 contiguous, written: the natural log of
+// the softmax's denominator (cascade's merge), -inf with o = 0 for a row that sees no key.
+// Numerics as torch's op on bf16 inputs: q.k accumulated in fp32, the exponentials summed in fp32
+// and rounded to bf16 for the product with V, accumulated in fp32.
+// Uses exp_fast16 and RF_BF16_VECTOR from elementwise/cpu_fused.cpp (one translation unit).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#ifdef RF_BF16_VECTOR
+namespace rf_attn {
+
+constexpr int64_t KB = 64;   // keys per packed K block: the QK micro-kernel's 4 vectors of 16
+constexpr int64_t QB = 32;   // query rows per task (rows are (token, query head) pairs of one kv head)
+constexpr int64_t SB = 128;  // keys per softmax block: scores [QB, SB] fp32 and P [QB, SB] bf16 stay in L1
+
+// K of one kv head as bf16 pairs along the head dim, 64 keys side by side:
+// out[(b * D/2 + dp) * 64 + j] = (k[64b + j, 2dp], k[64b + j, 2dp + 1]); keys past S are zero
+static void pack_k(const uint16_t* k, int64_t ks, int64_t S, int64_t Sp, int64_t D, uint32_t* out) {
+  const int64_t DP = D / 2;
+  for (int64_t b = 0; b < Sp / KB; ++b)
+    for (int64_t j = 0; j < KB; ++j) {
+      const int64_t key = b * KB + j;
+      uint32_t* dst = out + b * DP * KB + j;
+      if (key < S) {
+        const uint32_t* row = reinterpret_cast<const uint32_t*>(k + key * ks);
+        for (int64_t dp = 0; dp < DP; ++dp) dst[dp * KB] = row[dp];
+      } else {
+        for (int64_t dp = 0; dp < DP; ++dp) dst[dp * KB] = 0;
+      }
+    }
+}
+
+// V of one kv head as bf16 pairs along the keys: out[jp * D + d] = (v[2jp, d], v[2jp + 1, d])
+static void pack_v(const uint16_t* v, int64_t vs, int64_t S, int64_t Sp, int64_t D, uint32_t* out) {
+  for (int64_t jp = 0; jp < Sp / 2; ++jp) {
+    const int64_t a = 2 * jp, b = 2 * jp + 1;
+    uint32_t* dst = out + jp * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const uint32_t lo = a < S ? v[a * vs + d] : 0, hi = b < S ? v[b * vs + d] : 0;
+      dst[d] = lo | (hi << 16);
+    }
+  }
+}
+
+static inline __m512 dp(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+}
+
+// scores s[r, 0:64] = q[r] . K block, for 4 rows r (q rows contiguous bf16, D wide)
+static inline void qk_4x64(const uint16_t* q, int64_t D, const uint32_t* kb, float* s, int64_t ss) {
+  __m512 acc[4][4];
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  const uint32_t* q32 = reinterpret_cast<const uint32_t*>(q);
+  const int64_t DP = D / 2, qs = D / 2;
+  for (int64_t p = 0; p < DP; ++p) {
+    const uint32_t* kr = kb + p * KB;
+    const __m512i k0 = _mm512_loadu_si512(kr), k1 = _mm512_loadu_si512(kr + 16), k2 = _mm512_loadu_si512(kr + 32),
+                  k3 = _mm512_loadu_si512(kr + 48);
+    for (int r = 0; r < 4; ++r) {
+      const __m512i qb = _mm512_set1_epi32(static_cast<int>(q32[r * qs + p]));
+      acc[r][0] = dp(acc[r][0], qb, k0);
+      acc[r][1] = dp(acc[r][1], qb, k1);
+      acc[r][2] = dp(acc[r][2], qb, k2);
+      acc[r][3] = dp(acc[r][3], qb, k3);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * ss + 16 * c, acc[r][c]);
+}
+
+// o[r, :] += P[r, 0:n] V[0:n] for R rows (P bf16 rows of stride ps, n even), DV vectors of 16 wide
+template <int R, int DV>
+static inline void pv(const uint16_t* P, int64_t ps, const uint32_t* vp, int64_t n, float* o) {
+  constexpr int64_t D = 16 * DV;
+  __m512 acc[R][DV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + 16 * c);
+  for (int64_t jp = 0; jp < n / 2; ++jp) {
+    __m512i vv[DV];
+    for (int c = 0; c < DV; ++c) vv[c] = _mm512_loadu_si512(vp + jp * D + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512i pb = _mm512_set1_epi32(static_cast<int>(reinterpret_cast<const uint32_t*>(P + r * ps)[jp]));
+      for (int c = 0; c < DV; ++c) acc[r][c] = dp(acc[r][c], pb, vv[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(o + r * D + 16 * c, acc[r][c]);
+}
+
+template <int DV>
+static void pv_rows(const uint16_t* P, int64_t ps, const uint32_t* vp, int64_t n, float* o, int64_t rows) {
+  constexpr int R = DV <= 4 ? 4 : DV <= 8 ? 2 : 1;   // R x DV accumulators: at most 16 of 32 registers
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) pv<R, DV>(P + r * ps, ps, vp, n, o + r * 16 * DV);
+  for (; r < rows; ++r) pv<1, DV>(P + r * ps, ps, vp, n, o + r * 16 * DV);
+}
+
+struct Task {
+  const uint16_t* q;
+  int64_t qs0, qs1;
+  const int64_t* pos;   // nullptr: no mask
+  int64_t T, G, D, S, Sp;
+  float scale;
+};
+
+// one task: QB rows (t * G + g for t in tokens, g in the kv head's query heads) of kv head h
+template <int DV>
+static void rows_task(const Task& a, int64_t h, int64_t r0, const uint32_t* kp, const uint32_t* vp,
+                      float* op, float* lsep, int64_t Hq, uint16_t* qbuf, float* s, uint16_t* P, float* o,
+                      float* m, float* l) {
+  const int64_t D = a.D, n = std::min(QB, a.T * a.G - r0);
+  int64_t lim = a.S;                                        // keys [0, lim) may be visible to a row
+  int64_t full = a.S;                                       // keys [0, full) visible to every row
+  if (a.pos != nullptr) {
+    int64_t hi = -1, lo = a.S;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t p = a.pos[(r0 + i) / a.G];
+      hi = std::max(hi, p);
+      lo = std::min(lo, p + 1);
+    }
+    lim = std::min(a.S, hi + 1);
+    full = std::max<int64_t>(0, std::min(lo, a.S));
+  }
+  for (int64_t i = 0; i < QB; ++i) {
+    uint16_t* dst = qbuf + i * D;
+    if (i < n) {
+      const int64_t t = (r0 + i) / a.G, g = (r0 + i) % a.G;
+      const uint16_t* src = a.q + t * a.qs0 + (h * a.G + g) * a.qs1;
+      std::copy(src, src + D, dst);
+    } else {
+      std::fill(dst, dst + D, 0);
+    }
+    m[i] = -INFINITY;
+    l[i] = 0.f;
+  }
+  std::fill(o, o + QB * D, 0.f);
+  const __m512 sc = _mm512_set1_ps(a.scale), ninf = _mm512_set1_ps(-INFINITY);
+  for (int64_t j0 = 0; j0 < lim; j0 += SB) {
+    const int64_t nk = std::min(SB, a.Sp - j0);           // a multiple of KB (Sp is)
+    for (int64_t b = 0; b < nk / KB; ++b)
+      for (int64_t i = 0; i < QB; i += 4)
+        qk_4x64(qbuf + i * D, D, kp + (j0 / KB + b) * (D / 2) * KB, s + i * SB + b * KB, SB);
+    const bool masked = j0 + nk > full;
+    for (int64_t i = 0; i < n; ++i) {
+      float* si = s + i * SB;
+      const int64_t vis = std::min(a.pos ? a.pos[(r0 + i) / a.G] + 1 : a.S, a.S) - j0;   // visible keys of this block
+      __m512 mx = ninf;
+      for (int64_t c = 0; c < nk; c += 16) {
+        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(si + c), sc);
+        if (masked) {
+          const int64_t left = vis - c;
+          const __mmask16 keep = left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+          x = _mm512_mask_blend_ps(keep, ninf, x);
+        }
+        _mm512_storeu_ps(si + c, x);
+        mx = _mm512_max_ps(mx, x);
+      }
+      const float mnew = std::max(m[i], _mm512_reduce_max_ps(mx));
+      uint16_t* pi = P + i * SB;
+      if (mnew == -INFINITY) {                             // nothing visible yet: P = 0
+        std::fill(pi, pi + nk, 0);
+        continue;
+      }
+      const float alpha = m[i] == -INFINITY ? 0.f : exp_fast(m[i] - mnew);
+      const __m512 mb = _mm512_set1_ps(mnew);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t c = 0; c < nk; c += 16) {
+        const __m512 e = exp_fast16(_mm512_sub_ps(_mm512_loadu_ps(si + c), mb));   // exp(-inf) -> 0 (clamped: ~1e-38)
+        const __m512 ez = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_loadu_ps(si + c), ninf, _CMP_EQ_OQ), e,
+                                               _mm512_setzero_ps());
+        sum = _mm512_add_ps(sum, ez);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pi + c), to_bf16x16(ez));
+      }
+      l[i] = l[i] * alpha + _mm512_reduce_add_ps(sum);
+      m[i] = mnew;
+      if (alpha != 1.f) {
+        const __m512 av = _mm512_set1_ps(alpha);
+        for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(o + i * D + c, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + c), av));
+      }
+    }
+    pv_rows<DV>(P, SB, vp + (j0 / 2) * D, nk, o, n);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = (r0 + i) / a.G, hq = h * a.G + (r0 + i) % a.G;
+    float* dst = op + (t * Hq + hq) * D;
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    for (int64_t d = 0; d < D; ++d) dst[d] = o[i * D + d] * inv;
+    lsep[t * Hq + hq] = l[i] > 0.f ? m[i] + std::log(l[i]) : -INFINITY;
+  }
+}
+
+template <int DV>
+static void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
+                   double scale, at::Tensor& o, at::Tensor& lse) {
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), S = k.size(0), Hkv = k.size(1), G = Hq / Hkv;
+  const int64_t Sp = (S + KB - 1) / KB * KB;
+  const Task a{reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0), q.stride(1),
+               q_pos.numel() ? q_pos.data_ptr<int64_t>() : nullptr, T, G, D, S, Sp, static_cast<float>(scale)};
+  std::vector<uint32_t> kp(Hkv * Sp * D / 2), vp(Hkv * Sp * D / 2);
+  const uint16_t* kd = reinterpret_cast<const uint16_t*>(k.data_ptr());
+  const uint16_t* vd = reinterpret_cast<const uint16_t*>(v.data_ptr());
+  at::parallel_for(0, 2 * Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t h = i / 2;
+      if (i % 2 == 0) pack_k(kd + h * k.stride(1), k.stride(0), S, Sp, D, kp.data() + h * Sp * D / 2);
+      else pack_v(vd + h * v.stride(1), v.stride(0), S, Sp, D, vp.data() + h * Sp * D / 2);
+    }
+  });
+  const int64_t nq = (T * G + QB - 1) / QB, tasks = Hkv * nq;
+  float* op = o.data_ptr<float>();
+  float* lsep = lse.data_ptr<float>();
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> qbuf(QB * D), P(QB * SB);
+    std::vector<float> s(QB * SB), ob(QB * D), m(QB), l(QB);
+    for (int64_t i = begin; i < end; ++i) {
+      // causal blocks cost in proportion to their position: alternate ends, so that each thread's
+      // contiguous share of the tasks holds cheap and dear blocks alike
+      const int64_t w = i / Hkv, h = i % Hkv, b = w % 2 == 0 ? w / 2 : nq - 1 - w / 2;
+      rows_task<DV>(a, h, b * QB, kp.data() + h * Sp * D / 2, vp.data() + h * Sp * D / 2, op, lsep, Hq, qbuf.data(),
+                    s.data(), P.data(), ob.data(), m.data(), l.data());
+    }
+  });
+}
+
+}  // namespace rf_attn
+#endif
+
+bool attend_takes_bf16() {
+#ifdef RF_BF16_VECTOR
+  return true;
+#else
+  return false;
+#endif
+}
+
+void attend_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
+                    double scale, at::Tensor& o, at::Tensor& lse) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(2) == k.size(2) && k.size(1) > 0
+              && q.size(1) % k.size(1) == 0, "attend_prefill: shapes");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
+              "attend_prefill: bf16");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "attend_prefill: rows of the head dim contiguous");
+  TORCH_CHECK(q_pos.numel() == 0 || (q_pos.numel() == q.size(0) && q_pos.scalar_type() == at::kLong
+              && q_pos.is_contiguous()), "attend_prefill: q_pos");
+  TORCH_CHECK(o.is_contiguous() && o.scalar_type() == at::kFloat && o.sizes() == q.sizes() && lse.is_contiguous()
+              && lse.scalar_type() == at::kFloat && lse.numel() == q.size(0) * q.size(1), "attend_prefill: outputs");
+#ifdef RF_BF16_VECTOR
+  switch (q.size(2)) {
+    case 64: return rf_attn::attend<4>(q, k, v, q_pos, scale, o, lse);
+    case 128: return rf_attn::attend<8>(q, k, v, q_pos, scale, o, lse);
+    case 256: return rf_attn::attend<16>(q, k, v, q_pos, scale, o, lse);
+    default: break;
+  }
+#endif
+  TORCH_CHECK(false, "attend_prefill: head size 64, 128 or 256 on a CPU with AVX512-BF16");
+}
