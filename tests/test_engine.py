@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from radixflow.services.executor import engine as engine_mod
 from radixflow.services.executor.engine import Engine, EngineConfig
 from radixflow.shared.errors import BadRequest
 from radixflow.shared.messages import ExecRequest, SamplingParams
@@ -311,3 +312,25 @@ def test_a_quiet_request_reports_its_first_output_and_its_end_only(engine):
     ids = sum((o.token_ids for o in cut), [])
     assert 1 < len(ids) < 12 and ids == sum((o.token_ids for o in loud), [])[:len(ids)]
     assert no_leak(engine)
+
+
+def test_a_long_prompt_does_not_wait_for_an_announced_burst(models):
+    """A request that announces more to come (ExecRequest.burst) makes an idle engine wait for them,
+    up to burst_wait_s, so that a burst is prefilled together; but once the prompt tokens in hand
+    fill a step (burst_enough_tokens), the step starts: the first step prefills this request
+    although the announced one never comes. Below that size the engine still waits for it."""
+    for enough, long in ((64, True), (4096, False)):
+        e = Engine(EngineConfig(model=models["tiny-dense"], page_size=16, max_total_tokens=16384,
+                                burst_gap_s=0.002, burst_wait_s=0.5, burst_enough_tokens=enough))
+        r = req("long", prompt(5, 100), max_new_tokens=2)
+        r.burst = 1
+        e.add(r)
+        waited = []
+        sleep = engine_mod.time.sleep
+        engine_mod.time.sleep = lambda s: waited.append(s) or sleep(s)
+        try:
+            outs = e.step()
+        finally:
+            engine_mod.time.sleep = sleep
+        assert [o.rid for _, o in outs] == ["long"]
+        assert (not waited) == long

@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -130,6 +131,20 @@ static void pv_rows(const uint16_t* P, int64_t ps, const uint32_t* vp, int64_t n
   for (; r < rows; ++r) pv<1, DV>(P + r * ps, ps, vp, n, o + r * 16 * DV);
 }
 
+// Tasks handed out one at a time from a shared counter, to each of torch's threads: `body(next)`
+// runs once per thread, next() gives a task index or -1. Under `radixflow up` the event loop shares
+// these cores, and with torch's static split (parallel_for) a whole call waited for the one thread
+// the loop had preempted; here the other thread takes over its share.
+template <typename F>
+static void shared_for(int64_t n, F&& body) {
+  std::atomic<int64_t> counter{0};
+  auto next = [&]() -> int64_t {
+    const int64_t i = counter.fetch_add(1, std::memory_order_relaxed);
+    return i < n ? i : -1;
+  };
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) { body(next); });
+}
+
 struct Task {
   const uint16_t* q;
   int64_t qs0, qs1;
@@ -228,8 +243,8 @@ static void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   std::vector<uint32_t> kp(Hkv * Sp * D / 2), vp(Hkv * Sp * D / 2);
   const uint16_t* kd = reinterpret_cast<const uint16_t*>(k.data_ptr());
   const uint16_t* vd = reinterpret_cast<const uint16_t*>(v.data_ptr());
-  at::parallel_for(0, 2 * Hkv, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
+  shared_for(2 * Hkv, [&](auto next) {
+    for (int64_t i = next(); i >= 0; i = next()) {
       const int64_t h = i / 2;
       if (i % 2 == 0) pack_k(kd + h * k.stride(1), k.stride(0), S, Sp, D, kp.data() + h * Sp * D / 2);
       else pack_v(vd + h * v.stride(1), v.stride(0), S, Sp, D, vp.data() + h * Sp * D / 2);
@@ -238,13 +253,13 @@ static void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const int64_t nq = (T * G + QB - 1) / QB, tasks = Hkv * nq;
   float* op = o.data_ptr<float>();
   float* lsep = lse.data_ptr<float>();
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  shared_for(tasks, [&](auto next) {
     std::vector<uint16_t> qbuf(QB * D), P(QB * SB);
     std::vector<float> s(QB * SB), ob(QB * D), m(QB), l(QB);
-    for (int64_t i = begin; i < end; ++i) {
-      // causal blocks cost in proportion to their position: alternate ends, so that each thread's
-      // contiguous share of the tasks holds cheap and dear blocks alike
-      const int64_t w = i / Hkv, h = i % Hkv, b = w % 2 == 0 ? w / 2 : nq - 1 - w / 2;
+    for (int64_t i = next(); i >= 0; i = next()) {
+      // causal blocks cost in proportion to their position: the dearest first, so that the
+      // threads finish together
+      const int64_t h = i % Hkv, b = nq - 1 - i / Hkv;
       rows_task<DV>(a, h, b * QB, kp.data() + h * Sp * D / 2, vp.data() + h * Sp * D / 2, op, lsep, Hq, qbuf.data(),
                     s.data(), P.data(), ob.data(), m.data(), l.data());
     }

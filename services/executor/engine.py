@@ -208,6 +208,9 @@ class Engine(RadixExchange):
         with self._lock:
             if not self._new:
                 return
+            enough = self.cfg.burst_enough_tokens
+            if enough > 0 and sum(s.prompt_len for s in self._new) >= enough:
+                return
         deadline = time.monotonic() + self.cfg.burst_wait_s
         # announced requests are waited for only while nothing runs: running requests' decode steps
         # do not stall for them

@@ -77,6 +77,7 @@ class ExecutorService(Actor):
                             mixed_chunk_tokens=cfg.mixed_chunk_tokens,
                             disable_radix_cache=cfg.disable_radix_cache, pool=self.instance,
                             burst_gap_s=cfg.burst_gap_s, burst_wait_s=cfg.burst_wait_s,
+                            burst_enough_tokens=cfg.burst_enough_tokens,
                             jump_forward=cfg.jump_forward, jump_forward_policy=cfg.jump_forward_policy,
                             forced_spelling=cfg.forced_spelling,
                             overlap=cfg.overlap, radix_wait_s=cfg.radix_wait_s,
