@@ -27,7 +27,7 @@ SOURCES = [_HERE / "elementwise" / "cpu_fused.cpp", _HERE / "gated_delta_rule" /
            _HERE / "attention" / "cpu_decode.cpp", _HERE / "attention" / "cpu_prefill.cpp"]
 FUNCTIONS = ["gdr_decode_depths", "gdr_prefill", "conv_update_depths", "conv_prefill", "silu_mul",
              "silu_mul_takes_bf16", "rms_norm", "gated_rms_norm", "apply_bitmask", "decode_rows", "attend_prefill",
-             "attend_takes_bf16"]
+             "attend_takes_bf16", "rotary"]
 
 _lock = threading.Lock()
 _done = threading.Event()
@@ -84,7 +84,8 @@ def _load():
              "const at::Tensor& table, const at::Tensor& lens, double scale, at::Tensor& o, at::Tensor& lse);\n"
              "void attend_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, "
              "const at::Tensor& q_pos, double scale, at::Tensor& o, at::Tensor& lse);\n"
-             "bool attend_takes_bf16();\n")
+             "bool attend_takes_bf16();\n"
+             "void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out);\n")
     src = "\n".join(p.read_text() for p in SOURCES)
     # -fopenmp: at::parallel_for is OpenMP inlined into the kernel, and without the flag it runs its
     # tasks one after another (the kernels used one core of two). The library it links resolves to

@@ -57,6 +57,7 @@ class Kernels:
     silu_mul: Callable = _ew.silu_mul
     gated_rms_norm: Callable = _ew.gated_rms_norm
     apply_bitmask: Callable = _bitmask.apply_bitmask
+    rotary: Callable = _ew.rotary
 
 
 def reference() -> Kernels:
@@ -80,7 +81,7 @@ def cpu_kernels() -> Kernels:
     from .elementwise import cpu as ew
     from .gated_delta_rule import cpu as gdr
     return dataclasses.replace(reference(), name="cpu", rms_norm=ew.rms_norm, silu_mul=ew.silu_mul,
-                               gated_rms_norm=ew.gated_rms_norm, apply_bitmask=bitmask.apply_bitmask,
+                               gated_rms_norm=ew.gated_rms_norm, apply_bitmask=bitmask.apply_bitmask, rotary=ew.rotary,
                                decode_attention=attention.decode_attention, cascade_decode=attention.cascade_decode,
                                cascade_prefill=attention.cascade_prefill, extend_attention=attention.extend_attention,
                                gated_delta_rule_decode_slots=gdr.gated_delta_rule_decode_slots,

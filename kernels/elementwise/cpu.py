@@ -58,3 +58,14 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     out = torch.empty(x.shape, dtype=x.dtype)
     ext.gated_rms_norm(x, z, weight.float().contiguous(), eps, out)
     return out
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """reference.rotary."""
+    ext = cpu_ext.get()
+    if ext is None or not _takes(x) or x.dim() != 3 or not (cos.dtype == sin.dtype == x.dtype) \
+            or cos.device.type != "cpu" or cos.shape != (x.shape[0], 1, cos.shape[-1]) or sin.shape != cos.shape:
+        return reference.rotary(x, cos, sin)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    ext.rotary(x, cos.reshape(cos.shape[0], -1).contiguous(), sin.reshape(sin.shape[0], -1).contiguous(), out)
+    return out

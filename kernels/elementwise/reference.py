@@ -37,3 +37,14 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     x = weight * x.to(dtype)
     return (x * F.silu(z.float())).to(dtype)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (rotate-half layout) on the first R dims of each head, the rest kept:
+    x [T, H, D] (any row strides), cos and sin [T, 1, R] in x's dtype; each product and the sum in
+    x's dtype, as transformers computes it. Returns a new contiguous tensor."""
+    r = cos.shape[-1]
+    rot, keep = x[..., :r], x[..., r:]
+    x1, x2 = rot[..., : r // 2], rot[..., r // 2:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return torch.cat([rot * cos + rotated * sin, keep], dim=-1)

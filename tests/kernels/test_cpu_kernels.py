@@ -321,6 +321,32 @@ def test_cascade_decode_by_the_kernel_matches_the_reference(built, dtype, monkey
     torch.testing.assert_close(got[rows].float(), ref.float(), **tol)
 
 
+
+@pytest.mark.parametrize("T", [1, 7, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R", [16, 64])
+def test_rotary_matches_the_reference_exactly(built, T, dtype, R, monkeypatch):
+    """Rotary embedding by the kernel: bit-equal to the torch form (products and sum rounded where
+    torch rounds them; no transcendental function on either side), on all of a head (R = D, Qwen3)
+    and on a quarter of it (Qwen3.5's partial rotary), q a strided view of a projection's output,
+    positions of a real table (Rotary's, gathered as the layer gathers them)."""
+    from radixflow.services.executor.models.layers import Rotary
+    gen = torch.Generator().manual_seed(T + R)
+    rope = Rotary(R, 1e6, 4096)
+    pos = torch.randint(0, 4096, (T,), generator=gen)
+    proj = torch.randn(T, 6 * 64 + 3, generator=gen).to(dtype)
+    proj[:, ::5] = 0.0                                                   # zeros: the sign of a zero sum
+    x = proj[:, :6 * 64].view(T, 6, 64)
+    cos, sin = rope._tables(pos, dtype)
+    want = ew_ref.rotary(x, cos, sin)
+    with monkeypatch.context() as m:
+        m.setattr(ew_cpu.reference, "rotary", lambda *a, **k: pytest.fail("went to the reference"))
+        got = ew_cpu.rotary(x, cos, sin)
+    assert got.dtype == dtype and got.shape == x.shape and got.is_contiguous()
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32      # -0.0 and +0.0 apart too
+    assert torch.equal(got.view(bits), want.view(bits))
+    assert torch.equal(rope(x, pos, ew_cpu).view(bits), rope(x, pos).view(bits))   # the layer's two paths
+
 ATTEND = [(1, 1, None, 2), (5, 7, None, 1), (33, 100, "causal", 2), (70, 130, None, 4), (300, 300, "causal", 2),
           (40, 64, "causal", 4), (9, 200, "blind", 2)]
 

@@ -32,8 +32,8 @@ class Attention(nn.Module):
             # per head the checkpoint lays out [query (D) | gate (D)]
             q, gate = q.view(T, self.h, 2 * self.d).chunk(2, dim=-1)
             gate = gate.reshape(T, self.h * self.d)
-        q = self.rotary(self.q_norm(q.reshape(T, self.h, self.d), batch.kernels), batch.positions)       # [T, H, D]
-        k = self.rotary(self.k_norm(k.reshape(T, self.hkv, self.d), batch.kernels), batch.positions)     # [T, Hkv, D]
+        q = self.rotary(self.q_norm(q.reshape(T, self.h, self.d), batch.kernels), batch.positions, batch.kernels)    # [T, H, D]
+        k = self.rotary(self.k_norm(k.reshape(T, self.hkv, self.d), batch.kernels), batch.positions, batch.kernels)  # [T, Hkv, D]
         v = v.reshape(T, self.hkv, self.d)
         batch.kernels.write_kv(k_cache, v_cache, batch.out_slots, k, v)
         if batch.decode_part is not None:

@@ -75,11 +75,7 @@ class Rotary(nn.Module):
                           self.sin[positions].to(dtype)[:, None, :])
         return self._last[2], self._last[3]
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [T, H, D]
-        r = self.rotary_dim
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ops=None) -> torch.Tensor:
+        """x [T, H, D] at `positions`; `ops`: the runner's kernels (their `rotary`), else the torch form."""
         cos, sin = self._tables(positions, x.dtype)            # [T, 1, R]
-        rot, keep = x[..., :r], x[..., r:]
-        x1, x2 = rot[..., : r // 2], rot[..., r // 2:]
-        rotated = torch.cat([-x2, x1], dim=-1)
-        return torch.cat([rot * cos + rotated * sin, keep], dim=-1)
+        return (ops or _ref).rotary(x, cos, sin)
