@@ -36,11 +36,20 @@ def decode_attention(q, k_cache, v_cache, slot_table, seq_lens, scale: float) ->
     return _rows(ext, q, k_cache, v_cache, slot_table, seq_lens, scale)[0].to(q.dtype)
 
 
+def _attend_ext(q: torch.Tensor, k: torch.Tensor):
+    """The built module where the prefill kernel takes these (bf16 on a CPU with AVX512-BF16, head
+    size 64, 128 or 256), else None."""
+    ext = cpu_ext.get()
+    if ext is None or not (q.device.type == "cpu" and q.dtype == k.dtype == torch.bfloat16
+                           and q.shape[-1] in (64, 128, 256) and ext.attend_takes_bf16()):
+        return None
+    return ext
+
+
 def attend_lse(q, k, v, scale: float, q_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cascade.attend_lse."""
-    ext = cpu_ext.get()
-    if ext is None or not (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.bfloat16
-                           and q.shape[2] in (64, 128, 256) and k.shape[0] > 0 and ext.attend_takes_bf16()):
+    ext = _attend_ext(q, k)
+    if ext is None or v.dtype != q.dtype or k.shape[0] == 0:
         return cascade.attend_lse(q, k, v, scale, q_pos)
     o = torch.empty(q.shape, dtype=torch.float32)
     lse = torch.empty(q.shape[:2], dtype=torch.float32)
@@ -51,8 +60,9 @@ def attend_lse(q, k, v, scale: float, q_pos: torch.Tensor | None = None) -> tupl
 
 
 def extend_attention(q, k_cache, v_cache, bounds, seq_slots, prefix_lens, scale: float) -> torch.Tensor:
-    """naive.extend_attention: each sequence's new tokens over its slots by attend_lse above."""
-    if not (q.dtype == k_cache.dtype == torch.bfloat16 and q.device.type == "cpu"):
+    """naive.extend_attention: each sequence's new tokens over its slots by attend_lse above (where
+    the kernel does not take them, naive's, whose fresh prompts need no mask)."""
+    if _attend_ext(q, k_cache) is None or v_cache.dtype != q.dtype:
         return naive.extend_attention(q, k_cache, v_cache, bounds, seq_slots, prefix_lens, scale)
     o = torch.empty_like(q)
     for (s, e), slots, p in zip(bounds, seq_slots, prefix_lens):

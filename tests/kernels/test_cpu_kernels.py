@@ -420,3 +420,18 @@ def test_prefill_attention_by_the_kernel_matches_the_reference(built, monkeypatc
         got = attn_cpu.cascade_prefill(q, kc, vc, bounds, seq_slots, prefix, groups, D ** -0.5)
     want = attn_naive.extend_attention(q, kc, vc, bounds, seq_slots, prefix, D ** -0.5)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_prefill_attention_the_kernel_does_not_take_goes_to_the_reference(built, monkeypatch):
+    """fp32 (and a head size the kernel has no form for) goes to the torch forms whole: a fresh
+    prompt's extension to naive's causal op, which needs no mask, not to per-sequence masked calls."""
+    gen = torch.Generator().manual_seed(4)
+    for dtype, D in ((torch.float32, 64), (torch.bfloat16, 40)):
+        kc, vc = (torch.randn(300, 2, D, generator=gen).to(dtype) for _ in range(2))
+        q = torch.randn(50, 4, D, generator=gen).to(dtype)
+        slots = torch.randperm(300, generator=gen)[:50]
+        want = attn_naive.extend_attention(q, kc, vc, [(0, 50)], [slots], [0], D ** -0.5)
+        with monkeypatch.context() as m:
+            m.setattr(attn_cpu.cascade, "attend_lse", lambda *a, **k: pytest.fail("went to per-sequence calls"))
+            got = attn_cpu.extend_attention(q, kc, vc, [(0, 50)], [slots], [0], D ** -0.5)
+        assert torch.equal(got, want)
