@@ -6,6 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from radixflow.kernels import cpu_ext
+from radixflow.kernels.dispatch import pick, reference
 from radixflow.services.executor.forward_batch import ForwardBatch
 from radixflow.services.executor.memory import KVPool, MemoryPlan, StatePool
 from radixflow.services.executor.models import ModelSpec, load_model
@@ -16,8 +18,9 @@ PAGE = 16
 class Harness:
     """One sequence driven through radixflow's model with an explicit page table and state slot."""
 
-    def __init__(self, path: str, dtype: torch.dtype = torch.float32):
+    def __init__(self, path: str, dtype: torch.dtype = torch.float32, kernels=None):
         self.spec = ModelSpec.from_dir(path)
+        self.kernels = kernels or reference()
         self.model = load_model(path, torch.device("cpu"), dtype)
         plan = MemoryPlan(page_size=PAGE, num_pages=64, num_state_slots=4, kv_dtype=dtype,
                           state_dtype=torch.float32)
@@ -34,7 +37,7 @@ class Harness:
                           positions=torch.arange(start, end), out_slots=slots[start:end], prefix_lens=[start],
                           extend_lens=[n], seq_slots=[slots], state_slots=torch.tensor([2]),
                           logits_rows=torch.arange(n) if all_logits else torch.tensor([n - 1]),
-                          slot_table=slots[None], seq_lens=torch.tensor([end]))
+                          slot_table=slots[None], seq_lens=torch.tensor([end]), kernels=self.kernels)
         return self.model(fb, self.kv, self.state)
 
 
@@ -88,8 +91,9 @@ def test_chunked_prefill_equals_one_pass(preset, models):
     torch.testing.assert_close(torch.cat(parts), whole, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-hybrid"])
-def test_bf16_matches_transformers_in_bf16(preset, models):
+def test_bf16_matches_transformers_in_bf16(preset, kernels, models):
     """The bf16 compute dtype (`--dtype bfloat16`) against its own reference, transformers in bf16,
     and both against transformers in fp32 (the exact answer). Both bf16 implementations round at
     different points (ours attends with SDPA's flash kernel on bf16 inputs, accumulating in fp32,
@@ -98,11 +102,14 @@ def test_bf16_matches_transformers_in_bf16(preset, models):
     bf16 is, and the greedy token must agree with fp32's wherever fp32's top two logits are
     further apart than transformers' bf16 error reaches on that row (at closer gaps, two correct
     bf16 implementations may pick either). A bf16-weights model that silently ran in fp32 (the
-    loader once copied bf16 tensors into fp32 modules) fails the dtype check."""
+    loader once copied bf16 tensors into fp32 modules) fails the dtype check. With the torch
+    references and with the CPU kernels a CPU runner picks (bf16 prefill attention, rotary, ...)."""
+    if kernels == "cpu" and cpu_ext.wait(600) is None:
+        pytest.fail("the CPU kernels did not build (g++ and ninja are needed)")
     path = models[preset]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").eval()
     exact = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ours = Harness(path, torch.bfloat16)
+    ours = Harness(path, torch.bfloat16, pick(torch.device("cpu"), kernels))
     assert all(p.dtype == torch.bfloat16 for n, p in ours.model.named_parameters()
                if not n.endswith(("A_log", "dt_bias", "conv_weight")))
     assert ours.kv.k[0].dtype == torch.bfloat16

@@ -13,7 +13,7 @@
 // the softmax's denominator (cascade's merge), -inf with o = 0 for a row that sees no key.
 // Numerics as torch's op on bf16 inputs: q.k accumulated in fp32, the exponentials summed in fp32
 // and rounded to bf16 for the product with V, accumulated in fp32.
-// Uses exp_fast16 and RF_BF16_VECTOR from elementwise/cpu_fused.cpp (one translation unit).
+// Uses exp_fast, to_bf16x16 and RF_BF16_VECTOR from elementwise/cpu_fused.cpp (one translation unit).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
