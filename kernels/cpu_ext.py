@@ -1,5 +1,6 @@
 """The CPU kernels (gated_delta_rule/cpu_decode.cpp, causal_conv1d/cpu_update.cpp,
-elementwise/cpu_fused.cpp, bitmask/cpu_apply.cpp, attention/cpu_decode.cpp, attention/cpu_prefill.cpp): C++ compiled on the machine that runs them, the first time (torch's
+elementwise/cpu_fused.cpp, bitmask/cpu_apply.cpp, attention/cpu_decode.cpp, attention/cpu_prefill.cpp,
+linear/cpu_gemm.cpp): C++ compiled on the machine that runs them, the first time (torch's
 cpp_extension with g++ and ninja, about 30 s on 2 cores; kept in the environment after that, see
 _build_dir).
 
@@ -24,10 +25,11 @@ _HERE = Path(__file__).parent
 # elementwise first: its storage loads (F32 / BF16) and exp_fast serve the others (one translation unit)
 SOURCES = [_HERE / "elementwise" / "cpu_fused.cpp", _HERE / "gated_delta_rule" / "cpu_decode.cpp",
            _HERE / "causal_conv1d" / "cpu_update.cpp", _HERE / "bitmask" / "cpu_apply.cpp",
-           _HERE / "attention" / "cpu_decode.cpp", _HERE / "attention" / "cpu_prefill.cpp"]
+           _HERE / "attention" / "cpu_decode.cpp", _HERE / "attention" / "cpu_prefill.cpp",
+           _HERE / "linear" / "cpu_gemm.cpp"]
 FUNCTIONS = ["gdr_decode_depths", "gdr_prefill", "conv_update_depths", "conv_prefill", "silu_mul",
              "silu_mul_takes_bf16", "rms_norm", "gated_rms_norm", "apply_bitmask", "decode_rows", "attend_prefill",
-             "attend_takes_bf16", "rotary"]
+             "attend_takes_bf16", "rotary", "linear_takes_bf16", "linear_pack", "linear_packed"]
 
 _lock = threading.Lock()
 _done = threading.Event()
@@ -85,7 +87,10 @@ def _load():
              "void attend_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, "
              "const at::Tensor& q_pos, double scale, at::Tensor& o, at::Tensor& lse);\n"
              "bool attend_takes_bf16();\n"
-             "void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out);\n")
+             "void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out);\n"
+             "bool linear_takes_bf16();\n"
+             "at::Tensor linear_pack(const at::Tensor& w, int64_t halves);\n"
+             "void linear_packed(const at::Tensor& x, const at::Tensor& wp, int64_t n_out, bool silu, at::Tensor& out);\n")
     src = "\n".join(p.read_text() for p in SOURCES)
     # -fopenmp: at::parallel_for is OpenMP inlined into the kernel, and without the flag it runs its
     # tasks one after another (the kernels used one core of two). The library it links resolves to

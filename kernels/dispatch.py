@@ -25,6 +25,7 @@ import torch
 
 from .bitmask import reference as _bitmask
 from .elementwise import reference as _ew
+from .linear import reference as _linear
 
 __all__ = ["Kernels", "CHOICES", "cpu_kernels", "interpreting", "pick", "reference", "triton_kernels"]
 
@@ -58,6 +59,10 @@ class Kernels:
     gated_rms_norm: Callable = _ew.gated_rms_norm
     apply_bitmask: Callable = _bitmask.apply_bitmask
     rotary: Callable = _ew.rotary
+    # the linear layers: torch's matmul everywhere but in the cpu kernels on a CPU with AVX512-BF16
+    # and no AMX, in bf16 (kernels/linear/cpu.py)
+    linear: Callable = _linear.linear
+    linear_silu_mul: Callable = _linear.linear_silu_mul
 
 
 def reference() -> Kernels:
@@ -80,7 +85,9 @@ def cpu_kernels() -> Kernels:
     from .causal_conv1d import cpu as conv
     from .elementwise import cpu as ew
     from .gated_delta_rule import cpu as gdr
+    from .linear import cpu as linear
     return dataclasses.replace(reference(), name="cpu", rms_norm=ew.rms_norm, silu_mul=ew.silu_mul,
+                               linear=linear.linear, linear_silu_mul=linear.linear_silu_mul,
                                gated_rms_norm=ew.gated_rms_norm, apply_bitmask=bitmask.apply_bitmask, rotary=ew.rotary,
                                decode_attention=attention.decode_attention, cascade_decode=attention.cascade_decode,
                                cascade_prefill=attention.cascade_prefill, extend_attention=attention.extend_attention,

@@ -68,7 +68,7 @@ class DraftVerify(_Base):
                 done.add(rs[d])
         full = [r for r in range(n) if r not in done]
         if full:
-            logits = self.model.lm_head(hidden[torch.tensor(full, dtype=torch.int64, device=hidden.device)]).float()
+            logits = self.model.logits(hidden[torch.tensor(full, dtype=torch.int64, device=hidden.device)], self.kernels)
             masked = [j for j, r in enumerate(full) if rows[r].matcher is not None]
             mask = (lambda x: self.constrainer.apply(x, masked, [full[j] for j in masked])) if masked else None
             out = sampler.sample(logits, [rows[r] for r in full], mask=mask)

@@ -435,3 +435,55 @@ def test_prefill_attention_the_kernel_does_not_take_goes_to_the_reference(built,
             m.setattr(attn_cpu.cascade, "attend_lse", lambda *a, **k: pytest.fail("went to per-sequence calls"))
             got = attn_cpu.extend_attention(q, kc, vc, [(0, 50)], [slots], [0], D ** -0.5)
         assert torch.equal(got, want)
+
+
+LINEAR = [(1, 256, 64), (5, 256, 776), (6, 768, 256), (7, 64, 130), (97, 2, 3), (300, 256, 1536)]
+
+
+@pytest.mark.parametrize("M,K,N", LINEAR)
+def test_linear_by_the_kernel_matches_the_reference(built, M, K, N, monkeypatch):
+    """bf16 linear layers by the kernel over packed weights (linear/cpu_gemm.cpp), x a strided view
+    of a wider activation (as a layer's split hands it): against the product in fp32 within bf16's
+    rounding of the result, and against torch's matmul within one bf16 step; row counts around the
+    6-row micro-tile and the 96-row task, output widths past a 64-wide block's end. The gate/up form
+    is bit-equal to linear, then silu_mul (it rounds g and u where they would be rounded)."""
+    from radixflow.kernels.linear import cpu as lin_cpu
+    from radixflow.kernels.linear import reference as lin_ref
+    if not cpu_ext.get().linear_takes_bf16():
+        pytest.skip("this CPU has no AVX512-BF16, or has AMX (oneDNN's tile kernels serve)")
+    gen = torch.Generator().manual_seed(M * K + N)
+    x = torch.randn(M, K + 6, generator=gen).bfloat16()[:, 3:K + 3]
+    w = (torch.randn(N, K, generator=gen) * K ** -0.5).bfloat16()
+    with monkeypatch.context() as m:
+        m.setattr(lin_cpu.reference, "linear", lambda *a, **k: pytest.fail("went to the reference"))
+        m.setattr(lin_cpu.reference, "linear_silu_mul", lambda *a, **k: pytest.fail("went to the reference"))
+        got = lin_cpu.linear(x, w)
+        fused = lin_cpu.linear_silu_mul(x, w) if N % 2 == 0 else None
+    assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+    exact = x.float() @ w.float().T
+    torch.testing.assert_close(got.float(), exact, atol=1e-3, rtol=2 ** -8)
+    step = lin_ref.linear(x, w).float().abs().clamp_min(2 ** -100) * 2 ** -7
+    assert ((got.float() - lin_ref.linear(x, w).float()).abs() <= step).all()
+    if fused is not None:
+        assert torch.equal(fused.view(torch.int16), ew_cpu.silu_mul(got).view(torch.int16))
+
+
+def test_linear_packs_a_weight_once_and_again_when_it_changes(built):
+    """The packed copy is kept on the weight: a second call reuses it, a weight written in place (a
+    reload) is packed again; 3-D inputs keep their leading dims; fp32 goes to torch's matmul."""
+    from radixflow.kernels.linear import cpu as lin_cpu
+    if not cpu_ext.get().linear_takes_bf16():
+        pytest.skip("this CPU has no AVX512-BF16, or has AMX (oneDNN's tile kernels serve)")
+    gen = torch.Generator().manual_seed(3)
+    w = torch.nn.Linear(128, 96, bias=False).weight.detach().bfloat16()
+    x = torch.randn(2, 5, 128, generator=gen).bfloat16()
+    first = lin_cpu.linear(x, w)
+    packed = w._rf_packed[1]
+    assert first.shape == (2, 5, 96)
+    lin_cpu.linear(x, w)
+    assert w._rf_packed[1] is packed
+    w.mul_(2)
+    again = lin_cpu.linear(x, w)
+    assert w._rf_packed[1] is not packed and torch.equal(again, lin_cpu.reference.linear(x, w))
+    xf, wf = x.float(), w.float()
+    assert torch.equal(lin_cpu.linear(xf, wf), torch.nn.functional.linear(xf, wf)) and not hasattr(wf, "_rf_packed")

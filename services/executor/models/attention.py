@@ -27,7 +27,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = batch.kernels.linear(x, self.qkv.weight).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.gated:
             # per head the checkpoint lays out [query (D) | gate (D)]
             q, gate = q.view(T, self.h, 2 * self.d).chunk(2, dim=-1)
@@ -45,7 +45,7 @@ class Attention(nn.Module):
         o = o.reshape(T, self.h * self.d)
         if self.gated:
             o = o * torch.sigmoid(gate)
-        return self.o(o)
+        return batch.kernels.linear(o, self.o.weight)
 
     def _attend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         ops = batch.kernels

@@ -34,7 +34,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rec: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
-        mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
+        mixed, z, b, a = batch.kernels.linear(x, self.in_proj.weight).split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
         slots = batch.state_slots
         saved = None
         if batch.depth_bounds is not None:
@@ -70,7 +70,7 @@ class GatedDeltaNet(nn.Module):
             if rest:
                 batch.kernels.gated_delta_rule_prefill_slots(q, k, v, g, beta, o, rec, *batch.prefill_pieces())
         o = self.norm(o, z.reshape(T, self.hv, self.dv), batch.kernels)
-        return self.out_proj(o.reshape(T, self.value_dim))
+        return batch.kernels.linear(o.reshape(T, self.value_dim), self.out_proj.weight)
 
     # A decode step with jump-forward drafts has several rows per sequence, one per position, all
     # on the sequence's one state slot: they run depth by depth. Depth 0 holds every sequence's row,

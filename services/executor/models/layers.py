@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from radixflow.kernels.elementwise import reference as _ref
+from radixflow.kernels.linear import reference as _linear
 
 
 class RMSNorm(nn.Module):
@@ -43,7 +44,9 @@ class MLP(nn.Module):
         self.down = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
-        return self.down((ops or _ref).silu_mul(self.gate_up(x)))
+        """ops: the runner's kernels, whose linear layers may take gate/up and SiLU in one pass."""
+        ops = ops or _linear
+        return ops.linear(ops.linear_silu_mul(x, self.gate_up.weight), self.down.weight)
 
 
 class Rotary(nn.Module):

@@ -56,4 +56,8 @@ class CausalLM(nn.Module):
             else:
                 x = layer(x, batch, state.recurrent[j], state.conv[j])
         x = self.norm(x[batch.logits_rows], batch.kernels)
-        return self.lm_head(x).float() if head else x
+        return self.logits(x, batch.kernels) if head else x
+
+    def logits(self, hidden: torch.Tensor, ops) -> torch.Tensor:
+        """The LM head over final hidden states, fp32, by the runner's kernels `ops`."""
+        return ops.linear(hidden, self.lm_head.weight).float()

@@ -1,0 +1,60 @@
+"""Linear layers by the CPU kernel (cpu_gemm.cpp, built by kernels.cpu_ext), with the signatures of
+reference.py, which serves until the kernel is built and for what it does not take: other dtypes
+than bf16, a CPU without AVX512-BF16 or with AMX (where oneDNN's tile kernels are faster), an odd K.
+
+Each weight is packed for the kernel the first time it is used, and the packed copy is kept on the
+weight tensor itself (so it lives and dies with the model, and a weight written in place, whose
+version changes, is packed again). It costs as much memory again as the bf16 weights it packs."""
+from __future__ import annotations
+
+import torch
+
+from .. import cpu_ext
+from ..elementwise import cpu as _ew
+from . import reference
+
+
+def _ext(x: torch.Tensor, weight: torch.Tensor):
+    """The built module where the kernel takes these, else None."""
+    ext = cpu_ext.get()
+    if ext is None or not (x.device.type == weight.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16
+                           and weight.dim() == 2 and weight.shape[1] % 2 == 0 and x.shape[-1] == weight.shape[1]
+                           and weight.is_contiguous() and ext.linear_takes_bf16()):
+        return None
+    return ext
+
+
+def _packed(ext, weight: torch.Tensor, halves: int) -> torch.Tensor:
+    key = (weight.data_ptr(), weight._version, halves)
+    kept = getattr(weight, "_rf_packed", None)
+    if kept is None or kept[0] != key:
+        kept = (key, ext.linear_pack(weight.detach(), halves))
+        weight._rf_packed = kept
+    return kept[1]
+
+
+def _run(ext, x: torch.Tensor, weight: torch.Tensor, n_out: int, silu: bool) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] and rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], n_out, dtype=x.dtype)
+    if rows.shape[0]:
+        ext.linear_packed(rows, _packed(ext, weight, n_out if silu else 0), n_out, silu, out)
+    return out.reshape(*x.shape[:-1], n_out)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """reference.linear."""
+    ext = _ext(x, weight)
+    if ext is None:
+        return reference.linear(x, weight)
+    return _run(ext, x, weight, weight.shape[0], False)
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """reference.linear_silu_mul, in one pass where the kernel takes it (else the fused elementwise op
+    after torch's matmul)."""
+    ext = _ext(x, weight)
+    if ext is None or x.dim() != 2 or weight.shape[0] % 2:
+        return reference.linear_silu_mul(x, weight, _ew.silu_mul)
+    return _run(ext, x, weight, weight.shape[0] // 2, True)
