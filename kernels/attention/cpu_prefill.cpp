@@ -21,6 +21,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #ifdef RF_BF16_VECTOR
@@ -30,31 +31,60 @@ constexpr int64_t KB = 64;   // keys per packed K block: the QK micro-kernel's 4
 constexpr int64_t QB = 32;   // query rows per task (rows are (token, query head) pairs of one kv head)
 constexpr int64_t SB = 128;  // keys per softmax block: scores [QB, SB] fp32 and P [QB, SB] bf16 stay in L1
 
+// a 16 x 16 block of 32-bit values transposed in registers: r[c] becomes what was column c
+static inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+  }
+}
+
 // K of one kv head as bf16 pairs along the head dim, 64 keys side by side:
-// out[(b * D/2 + dp) * 64 + j] = (k[64b + j, 2dp], k[64b + j, 2dp + 1]); keys past S are zero
+// out[(b * D/2 + dp) * 64 + j] = (k[64b + j, 2dp], k[64b + j, 2dp + 1]); keys past S are zero.
+// By 16 x 16 register transposes: a decode step's shared prefix is packed anew for its few query
+// rows, and the scalar form took as long as the products (0.3 ms of 0.8 for 40 rows over 3,100 keys)
 static void pack_k(const uint16_t* k, int64_t ks, int64_t S, int64_t Sp, int64_t D, uint32_t* out) {
   const int64_t DP = D / 2;
-  for (int64_t b = 0; b < Sp / KB; ++b)
-    for (int64_t j = 0; j < KB; ++j) {
-      const int64_t key = b * KB + j;
-      uint32_t* dst = out + b * DP * KB + j;
-      if (key < S) {
-        const uint32_t* row = reinterpret_cast<const uint32_t*>(k + key * ks);
-        for (int64_t dp = 0; dp < DP; ++dp) dst[dp * KB] = row[dp];
-      } else {
-        for (int64_t dp = 0; dp < DP; ++dp) dst[dp * KB] = 0;
-      }
+  __m512i r[16];
+  for (int64_t j0 = 0; j0 < Sp; j0 += 16) {
+    uint32_t* blk = out + (j0 / KB) * DP * KB + j0 % KB;
+    for (int64_t c0 = 0; c0 < DP; c0 += 16) {
+      for (int i = 0; i < 16; ++i)
+        r[i] = j0 + i < S ? _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(k + (j0 + i) * ks) + c0)
+                          : _mm512_setzero_si512();
+      transpose16(r);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_si512(blk + (c0 + c) * KB, r[c]);
     }
+  }
 }
 
 // V of one kv head as bf16 pairs along the keys: out[jp * D + d] = (v[2jp, d], v[2jp + 1, d])
 static void pack_v(const uint16_t* v, int64_t vs, int64_t S, int64_t Sp, int64_t D, uint32_t* out) {
+  const __m256i zero = _mm256_setzero_si256();
   for (int64_t jp = 0; jp < Sp / 2; ++jp) {
     const int64_t a = 2 * jp, b = 2 * jp + 1;
     uint32_t* dst = out + jp * D;
-    for (int64_t d = 0; d < D; ++d) {
-      const uint32_t lo = a < S ? v[a * vs + d] : 0, hi = b < S ? v[b * vs + d] : 0;
-      dst[d] = lo | (hi << 16);
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256i lo = a < S ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + a * vs + d)) : zero;
+      const __m256i hi = b < S ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + b * vs + d)) : zero;
+      _mm512_storeu_si512(dst + d, _mm512_or_si512(_mm512_cvtepu16_epi32(lo),
+                                                   _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)));
     }
   }
 }
@@ -240,14 +270,15 @@ static void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const int64_t Sp = (S + KB - 1) / KB * KB;
   const Task a{reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0), q.stride(1),
                q_pos.numel() ? q_pos.data_ptr<int64_t>() : nullptr, T, G, D, S, Sp, static_cast<float>(scale)};
-  std::vector<uint32_t> kp(Hkv * Sp * D / 2), vp(Hkv * Sp * D / 2);
+  // not zeroed: the packs write every element (a zeroing pass of 1.6 MB per call cost as much as them)
+  std::unique_ptr<uint32_t[]> kp(new uint32_t[Hkv * Sp * D / 2]), vp(new uint32_t[Hkv * Sp * D / 2]);
   const uint16_t* kd = reinterpret_cast<const uint16_t*>(k.data_ptr());
   const uint16_t* vd = reinterpret_cast<const uint16_t*>(v.data_ptr());
   shared_for(2 * Hkv, [&](auto next) {
     for (int64_t i = next(); i >= 0; i = next()) {
       const int64_t h = i / 2;
-      if (i % 2 == 0) pack_k(kd + h * k.stride(1), k.stride(0), S, Sp, D, kp.data() + h * Sp * D / 2);
-      else pack_v(vd + h * v.stride(1), v.stride(0), S, Sp, D, vp.data() + h * Sp * D / 2);
+      if (i % 2 == 0) pack_k(kd + h * k.stride(1), k.stride(0), S, Sp, D, kp.get() + h * Sp * D / 2);
+      else pack_v(vd + h * v.stride(1), v.stride(0), S, Sp, D, vp.get() + h * Sp * D / 2);
     }
   });
   const int64_t nq = (T * G + QB - 1) / QB, tasks = Hkv * nq;
@@ -260,7 +291,7 @@ static void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
       // causal blocks cost in proportion to their position: the dearest first, so that the
       // threads finish together
       const int64_t h = i % Hkv, b = nq - 1 - i / Hkv;
-      rows_task<DV>(a, h, b * QB, kp.data() + h * Sp * D / 2, vp.data() + h * Sp * D / 2, op, lsep, Hq, qbuf.data(),
+      rows_task<DV>(a, h, b * QB, kp.get() + h * Sp * D / 2, vp.get() + h * Sp * D / 2, op, lsep, Hq, qbuf.data(),
                     s.data(), P.data(), ob.data(), m.data(), l.data());
     }
   });

@@ -132,12 +132,16 @@ static void linear(const at::Tensor& x, const at::Tensor& wp, int64_t n_out, at:
 }  // namespace rf_gemm
 #endif
 
-// vdpbf16ps code pays where the CPU has AVX512-BF16 and no AMX (cpuid leaf 7: EDX bit 22, AMX-BF16)
+// vdpbf16ps code pays where the CPU has AVX512-BF16 and no AMX (cpuid leaf 7: EDX bit 22, AMX-BF16).
+// Asked once: in a virtual machine cpuid traps to the hypervisor (15 us a call, measured), and the
+// wrapper asks on every layer's call
 bool linear_takes_bf16() {
 #if defined(RF_BF16_VECTOR) && defined(__x86_64__)
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22))) return false;
-  return true;
+  static const bool takes = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return !(__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)));
+  }();
+  return takes;
 #else
   return false;
 #endif
