@@ -2,13 +2,15 @@
 // packed once (the model's weights do not change between steps), and the MLP's gate/up projection
 // with SiLU-and-multiply in the same pass. reference.py's kernel form.
 //
-// Why: oneDNN, torch's bf16 matmul on such a CPU (an AMD EPYC, Zen 4), ran the 2,048 x 256 x 1,536
-// gate/up product at 170-250 GFLOP/s and a 40-row decode step's products at 160-210, against the
-// 400-410 that vdpbf16ps peaks at there: it packs the weights again on every call and splits thin
-// products coarsely. Here a register-blocked micro-kernel (6 rows x 64 columns: 24 accumulators,
-// four weight vectors and a broadcast row pair) reads the weights in their packed layout, 330-420
-// GFLOP/s on the model's shapes. Where the CPU has AMX, oneDNN's tile kernels are several times
-// faster than any vdpbf16ps code, and `linear_takes_bf16` says no.
+// Why: oneDNN, torch's bf16 matmul on such a CPU (an AMD EPYC, Zen 4), ran a 40-row decode step's
+// products at 160-210 GFLOP/s against the 400-410 that vdpbf16ps peaks at there (it splits thin
+// products coarsely and packs the weights again on every call); a register-blocked micro-kernel
+// (6 rows x 64 columns: 24 accumulators, four weight vectors and a broadcast row pair) over weights
+// in their packed layout runs them at 330-380, so a 40-row decode step of tiny-dense took 8.5 ms
+// instead of 9.8. On prefill-sized products (2,048 rows) both run at 290-380 GFLOP/s, 85-90% of
+// the peak; there the gain is the gate/up form, which writes half the bytes and needs no SiLU pass.
+// Where the CPU has AMX, oneDNN's tile kernels are several times faster than any vdpbf16ps code,
+// and `linear_takes_bf16` says no.
 //
 // Packed layout, int32 [ceil(N / 64), K / 2, 64]: block b, pair p, lane j holds the bf16 pair
 // (W[n, 2p], W[n, 2p + 1]) of row n = 64 b + j (zero past N). With `halves` = I (the gate/up form,
