@@ -347,6 +347,37 @@ def test_rotary_matches_the_reference_exactly(built, T, dtype, R, monkeypatch):
     assert torch.equal(got.view(bits), want.view(bits))
     assert torch.equal(rope(x, pos, ew_cpu).view(bits), rope(x, pos).view(bits))   # the layer's two paths
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_decode_reads_a_small_groups_prefix_in_place(built, dtype, monkeypatch):
+    """A group of FEW_ROWS rows or fewer has its prefix read by the decode kernel in place (its
+    slots scattered over the pool here), a larger one by attend_lse once for all its rows; both
+    agree with reading every row's whole context."""
+    gen = torch.Generator().manual_seed(9)
+    Hq, Hkv, D = 4, 2, 64
+    kc, vc = (torch.randn(2000, Hkv, D, generator=gen).to(dtype) for _ in range(2))
+    perm = torch.randperm(2000, generator=gen)
+    big, small = torch.arange(100, 300), perm[:150]            # 6 rows share 200 slots, 2 rows 150
+    big_rows, small_rows = list(range(6)), [6, 7]
+    own_lens = [3, 9, 1, 0, 20, 7, 4, 0, 60]                  # row 8 is in no group
+    own = [perm[200 + 100 * i:200 + 100 * i + n] for i, n in enumerate(own_lens)]
+    groups = [attn_cascade.SharedPrefix(seqs=big_rows, slots=big, start=100),
+              attn_cascade.SharedPrefix(seqs=small_rows, slots=small)]
+    assert len(small_rows) <= attn_cpu.FEW_ROWS < len(big_rows)
+    q = torch.randn(9, Hq, D, generator=gen).to(dtype)
+    table = torch.nn.utils.rnn.pad_sequence([o if len(o) else torch.zeros(1, dtype=torch.int64) for o in own],
+                                            batch_first=True)
+    full = [torch.cat([big if i in big_rows else small, o]) if i < 8 else o for i, o in enumerate(own)]
+    want = attn_naive.decode_attention(q, kc, vc, torch.nn.utils.rnn.pad_sequence(full, batch_first=True),
+                                       torch.tensor([len(f) for f in full]), D ** -0.5)
+    calls = []
+    attend = attn_cpu.attend_lse
+    monkeypatch.setattr(attn_cpu, "attend_lse", lambda q, *a, **k: calls.append(q.shape[0]) or attend(q, *a, **k))
+    got = attn_cpu.cascade_decode(q, kc, vc, table, torch.tensor(own_lens), groups, D ** -0.5)
+    assert calls == [len(big_rows)]
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
 ATTEND = [(1, 1, None, 2), (5, 7, None, 1), (33, 100, "causal", 2), (70, 130, None, 4), (300, 300, "causal", 2),
           (40, 64, "causal", 4), (9, 200, "blind", 2)]
 
