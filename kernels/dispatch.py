@@ -59,8 +59,8 @@ class Kernels:
     gated_rms_norm: Callable = _ew.gated_rms_norm
     apply_bitmask: Callable = _bitmask.apply_bitmask
     rotary: Callable = _ew.rotary
-    # the linear layers: torch's matmul everywhere but in the cpu kernels on a CPU with AVX512-BF16
-    # and no AMX, in bf16 (kernels/linear/cpu.py)
+    # the linear layers: torch's matmul everywhere but in the cpu kernels (kernels/linear/cpu.py:
+    # fp32 where the CPU has AVX-512, bf16 where it has AVX512-BF16 and no AMX)
     linear: Callable = _linear.linear
     linear_silu_mul: Callable = _linear.linear_silu_mul
 

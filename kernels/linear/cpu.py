@@ -1,10 +1,12 @@
 """Linear layers by the CPU kernel (cpu_gemm.cpp, built by kernels.cpu_ext), with the signatures of
-reference.py, which serves until the kernel is built and for what it does not take: other dtypes
-than bf16, a CPU without AVX512-BF16 or with AMX (where oneDNN's tile kernels are faster), an odd K.
+reference.py, which serves until the kernel is built and for what it does not take: fp32 on a CPU
+without AVX-512; bf16 on a CPU without AVX512-BF16 or with AMX (where oneDNN's tile kernels are
+faster), or with an odd K; other dtypes. The gate/up form with SiLU in the same pass is bf16's; in
+fp32 the fused elementwise op follows the kernel's product.
 
 Each weight is packed for the kernel the first time it is used, and the packed copy is kept on the
 weight tensor itself (so it lives and dies with the model, and a weight written in place, whose
-version changes, is packed again). It costs as much memory again as the bf16 weights it packs."""
+version changes, is packed again). It costs as much memory again as the weights it packs."""
 from __future__ import annotations
 
 import torch
@@ -17,11 +19,14 @@ from . import reference
 def _ext(x: torch.Tensor, weight: torch.Tensor):
     """The built module where the kernel takes these, else None."""
     ext = cpu_ext.get()
-    if ext is None or not (x.device.type == weight.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16
-                           and weight.dim() == 2 and weight.shape[1] % 2 == 0 and x.shape[-1] == weight.shape[1]
-                           and weight.is_contiguous() and ext.linear_takes_bf16()):
+    if ext is None or not (x.device.type == weight.device.type == "cpu" and x.dtype == weight.dtype
+                           and weight.dim() == 2 and x.shape[-1] == weight.shape[1] and weight.is_contiguous()):
         return None
-    return ext
+    if x.dtype == torch.float32:
+        return ext if ext.linear_takes_fp32() else None
+    if x.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and ext.linear_takes_bf16():
+        return ext
+    return None
 
 
 def _packed(ext, weight: torch.Tensor, halves: int) -> torch.Tensor:
@@ -57,4 +62,6 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     ext = _ext(x, weight)
     if ext is None or x.dim() != 2 or weight.shape[0] % 2:
         return reference.linear_silu_mul(x, weight, _ew.silu_mul)
+    if x.dtype != torch.bfloat16:
+        return _ew.silu_mul(_run(ext, x, weight, weight.shape[0], False))
     return _run(ext, x, weight, weight.shape[0] // 2, True)

@@ -33,7 +33,7 @@
 #include <cpuid.h>
 #endif
 
-#ifdef RF_BF16_VECTOR
+#if defined(__AVX512F__)
 namespace rf_gemm {
 
 constexpr int64_t NB = 64;   // packed weight rows (output columns) per block: four vectors of 16
@@ -51,6 +51,68 @@ static void shared_for(int64_t n, F&& body) {
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) { body(next); });
 }
 
+// fp32: C[R, 64] of block bp ([K, 64] floats) over rows a, one FMA per weight and row; each output
+// sums its K products in order from 0, whatever the row count (a row's result does not depend on the
+// batch it is in, unlike a GEMM library's blocking, so cache on and off compute the same numbers)
+template <int R>
+static inline void tile_f32(const float* a, int64_t as, const float* bp, int64_t K, float* c, int64_t cs,
+                            int64_t cols) {
+  __m512 acc[R][4];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* w = bp + k * NB;
+    const __m512 b0 = _mm512_loadu_ps(w), b1 = _mm512_loadu_ps(w + 16), b2 = _mm512_loadu_ps(w + 32),
+                 b3 = _mm512_loadu_ps(w + 48);
+    for (int i = 0; i < R; ++i) {
+      const __m512 x = _mm512_set1_ps(a[i * as + k]);
+      acc[i][0] = _mm512_fmadd_ps(x, b0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(x, b1, acc[i][1]);
+      acc[i][2] = _mm512_fmadd_ps(x, b2, acc[i][2]);
+      acc[i][3] = _mm512_fmadd_ps(x, b3, acc[i][3]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < 4; ++j) {
+      const int64_t left = cols - 16 * j;
+      if (left <= 0) break;
+      const __mmask16 m = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+      _mm512_mask_storeu_ps(c + i * cs + 16 * j, m, acc[i][j]);
+    }
+}
+
+static void rows_f32(const float* a, int64_t as, const float* bp, int64_t K, float* c, int64_t cs, int64_t n,
+                     int64_t cols) {
+  int64_t r = 0;
+  for (; r + MR <= n; r += MR) tile_f32<MR>(a + r * as, as, bp, K, c + r * cs, cs, cols);
+  a += r * as;
+  c += r * cs;
+  switch (n - r) {
+    case 1: tile_f32<1>(a, as, bp, K, c, cs, cols); break;
+    case 2: tile_f32<2>(a, as, bp, K, c, cs, cols); break;
+    case 3: tile_f32<3>(a, as, bp, K, c, cs, cols); break;
+    case 4: tile_f32<4>(a, as, bp, K, c, cs, cols); break;
+    case 5: tile_f32<5>(a, as, bp, K, c, cs, cols); break;
+    default: break;
+  }
+}
+
+static void linear_f32(const at::Tensor& x, const at::Tensor& wp, int64_t n_out, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), nb = wp.size(0);
+  const float* a = x.data_ptr<float>();
+  const float* bp = wp.data_ptr<float>();
+  float* c = out.data_ptr<float>();
+  const int64_t as = x.stride(0), cs = out.stride(0), nr = (M + RB - 1) / RB;
+  shared_for(nr * nb, [&](auto next) {
+    for (int64_t t = next(); t >= 0; t = next()) {
+      const int64_t r = t / nb, b = t % nb;
+      rows_f32(a + r * RB * as, as, bp + b * K * NB, K, c + r * RB * cs + b * NB, cs, std::min(RB, M - r * RB),
+               std::min(NB, n_out - b * NB));
+    }
+  });
+}
+
+#ifdef RF_BF16_VECTOR
 // C[R, 64] of block bp over rows a (R rows, row stride as), KP pairs; stores `cols` outputs (plain)
 // or min(cols, 32) SiLU(gate) * up outputs (SILU)
 template <int R, bool SILU>
@@ -130,9 +192,10 @@ static void linear(const at::Tensor& x, const at::Tensor& wp, int64_t n_out, at:
     }
   });
 }
+#endif  // RF_BF16_VECTOR
 
 }  // namespace rf_gemm
-#endif
+#endif  // __AVX512F__
 
 // vdpbf16ps code pays where the CPU has AVX512-BF16 and no AMX (cpuid leaf 7: EDX bit 22, AMX-BF16).
 // Asked once: in a virtual machine cpuid traps to the hypervisor (15 us a call, measured), and the
@@ -149,9 +212,30 @@ bool linear_takes_bf16() {
 #endif
 }
 
+// fp32 by FMA where the CPU has AVX-512: MKL's fp32 products of the model's shapes ran at 55-70% of
+// the FMA peak, a one-row decode product at 7 GB/s of weights (the memory gives 25)
+bool linear_takes_fp32() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 at::Tensor linear_pack(const at::Tensor& w, int64_t halves) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(1) % 2 == 0,
-              "linear_pack: a contiguous bf16 [N, K] weight, K even");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "linear_pack: a contiguous [N, K] weight");
+  if (w.scalar_type() == at::kFloat) {        // [ceil(N / 64), K, 64] floats, zero past N
+    TORCH_CHECK(halves == 0, "linear_pack: the gate/up form is bf16 only");
+    const int64_t N = w.size(0), K = w.size(1), nb = (N + 63) / 64;
+    at::Tensor out = at::zeros({nb, K, 64}, at::kFloat);
+    const float* src = w.data_ptr<float>();
+    float* dst = out.data_ptr<float>();
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) dst[((n / 64) * K + k) * 64 + n % 64] = src[n * K + k];
+    return out;
+  }
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0,
+              "linear_pack: a contiguous bf16 [N, K] weight, K even, or fp32");
   const int64_t N = w.size(0), KP = w.size(1) / 2;
   TORCH_CHECK(halves == 0 || N == 2 * halves, "linear_pack: halves is half the rows");
   const int64_t nb = halves ? (halves + 31) / 32 : (N + 63) / 64;
@@ -177,6 +261,18 @@ at::Tensor linear_pack(const at::Tensor& w, int64_t halves) {
 
 // out [M, n_out] bf16 = x [M, K] . W^T (silu: SiLU(gate) * up, n_out = I) over linear_pack's wp
 void linear_packed(const at::Tensor& x, const at::Tensor& wp, int64_t n_out, bool silu, at::Tensor& out) {
+  if (x.scalar_type() == at::kFloat) {
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && !silu, "linear_packed: fp32 rows [M, K], each row contiguous");
+    TORCH_CHECK(wp.dim() == 3 && wp.scalar_type() == at::kFloat && wp.is_contiguous() && wp.size(1) == x.size(1)
+                && wp.size(2) == 64 && wp.size(0) * 64 >= n_out, "linear_packed: a packed fp32 weight for K");
+    TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.size(0) == x.size(0) && out.size(1) == n_out
+                && out.stride(1) == 1, "linear_packed: out [M, n_out] fp32");
+#if defined(__AVX512F__)
+    return rf_gemm::linear_f32(x, wp, n_out, out);
+#else
+    TORCH_CHECK(false, "linear_packed: fp32 on a CPU with AVX-512");
+#endif
+  }
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.size(1) % 2 == 0,
               "linear_packed: bf16 rows [M, K], K even, each row contiguous");
   TORCH_CHECK(wp.dim() == 3 && wp.scalar_type() == at::kInt && wp.is_contiguous() && wp.size(1) == x.size(1) / 2

@@ -472,26 +472,37 @@ LINEAR = [(1, 256, 64), (5, 256, 776), (6, 768, 256), (7, 64, 130), (97, 2, 3), 
 
 
 @pytest.mark.parametrize("M,K,N", LINEAR)
-def test_linear_by_the_kernel_matches_the_reference(built, M, K, N, monkeypatch):
-    """bf16 linear layers by the kernel over packed weights (linear/cpu_gemm.cpp), x a strided view
-    of a wider activation (as a layer's split hands it): against the product in fp32 within bf16's
-    rounding of the result, and against torch's matmul within one bf16 step; row counts around the
-    6-row micro-tile and the 96-row task, output widths past a 64-wide block's end. The gate/up form
-    is bit-equal to linear, then silu_mul (it rounds g and u where they would be rounded)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_by_the_kernel_matches_the_reference(built, M, K, N, dtype, monkeypatch):
+    """Linear layers by the kernel over packed weights (linear/cpu_gemm.cpp), x a strided view of a
+    wider activation (as a layer's split hands it): against the product in fp64 within the dtype's
+    rounding of the result, and against torch's matmul within one bf16 step (fp32: a few ulps);
+    row counts around the 6-row micro-tile and the 96-row task, output widths past a 64-wide block's
+    end. bf16's gate/up form is bit-equal to linear, then silu_mul (it rounds g and u where they
+    would be rounded); fp32's is that, by definition. A row's result does not depend on the rows
+    beside it (fp32: bit-equal alone and in the batch)."""
     from radixflow.kernels.linear import cpu as lin_cpu
     from radixflow.kernels.linear import reference as lin_ref
-    if not cpu_ext.get().linear_takes_bf16():
-        pytest.skip("this CPU has no AVX512-BF16, or has AMX (oneDNN's tile kernels serve)")
+    ext = cpu_ext.get()
+    if not (ext.linear_takes_bf16() if dtype == torch.bfloat16 else ext.linear_takes_fp32()):
+        pytest.skip("this CPU has no AVX-512 (fp32), no AVX512-BF16 or has AMX (bf16)")
     gen = torch.Generator().manual_seed(M * K + N)
-    x = torch.randn(M, K + 6, generator=gen).bfloat16()[:, 3:K + 3]
-    w = (torch.randn(N, K, generator=gen) * K ** -0.5).bfloat16()
+    x = torch.randn(M, K + 6, generator=gen).to(dtype)[:, 3:K + 3]
+    w = (torch.randn(N, K, generator=gen) * K ** -0.5).to(dtype)
     with monkeypatch.context() as m:
         m.setattr(lin_cpu.reference, "linear", lambda *a, **k: pytest.fail("went to the reference"))
         m.setattr(lin_cpu.reference, "linear_silu_mul", lambda *a, **k: pytest.fail("went to the reference"))
         got = lin_cpu.linear(x, w)
         fused = lin_cpu.linear_silu_mul(x, w) if N % 2 == 0 else None
-    assert got.dtype == torch.bfloat16 and got.shape == (M, N)
-    exact = x.float() @ w.float().T
+    assert got.dtype == dtype and got.shape == (M, N)
+    exact = (x.double() @ w.double().T).float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, exact, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, lin_ref.linear(x, w), atol=1e-5, rtol=1e-5)
+        assert torch.equal(lin_cpu.linear(x[-1:], w), got[-1:])
+        if fused is not None:
+            assert torch.equal(fused, ew_cpu.silu_mul(got))
+        return
     torch.testing.assert_close(got.float(), exact, atol=1e-3, rtol=2 ** -8)
     step = lin_ref.linear(x, w).float().abs().clamp_min(2 ** -100) * 2 ** -7
     assert ((got.float() - lin_ref.linear(x, w).float()).abs() <= step).all()
@@ -501,7 +512,7 @@ def test_linear_by_the_kernel_matches_the_reference(built, M, K, N, monkeypatch)
 
 def test_linear_packs_a_weight_once_and_again_when_it_changes(built):
     """The packed copy is kept on the weight: a second call reuses it, a weight written in place (a
-    reload) is packed again; 3-D inputs keep their leading dims; fp32 goes to torch's matmul."""
+    reload) is packed again; 3-D inputs keep their leading dims; fp64 goes to torch's matmul."""
     from radixflow.kernels.linear import cpu as lin_cpu
     if not cpu_ext.get().linear_takes_bf16():
         pytest.skip("this CPU has no AVX512-BF16, or has AMX (oneDNN's tile kernels serve)")
@@ -516,5 +527,5 @@ def test_linear_packs_a_weight_once_and_again_when_it_changes(built):
     w.mul_(2)
     again = lin_cpu.linear(x, w)
     assert w._rf_packed[1] is not packed and torch.equal(again, lin_cpu.reference.linear(x, w))
-    xf, wf = x.float(), w.float()
+    xf, wf = x.double(), w.double()
     assert torch.equal(lin_cpu.linear(xf, wf), torch.nn.functional.linear(xf, wf)) and not hasattr(wf, "_rf_packed")
