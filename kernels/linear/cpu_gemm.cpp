@@ -1,8 +1,14 @@
-// bf16 linear layers on a CPU with AVX512-BF16 but no AMX: x [M, K] . W^T by vdpbf16ps over weights
-// packed once (the model's weights do not change between steps), and the MLP's gate/up projection
-// with SiLU-and-multiply in the same pass. reference.py's kernel form.
+// Linear layers on the CPU: x [M, K] . W^T over weights packed once (the model's weights do not change
+// between steps), fp32 by FMA on a CPU with AVX-512 and bf16 by vdpbf16ps on one with AVX512-BF16 but
+// no AMX; in bf16 also the MLP's gate/up projection with SiLU-and-multiply in the same pass.
+// reference.py's kernel form. Both dtypes share the micro-kernel's shape and the task split.
 //
-// Why: oneDNN, torch's bf16 matmul on such a CPU (an AMD EPYC, Zen 4), ran a 40-row decode step's
+// fp32: MKL ran the model's fp32 products at 55-70% of the FMA peak on an AMD EPYC (Zen 4) and a
+// one-row decode product at 7 GB/s of weights, where the memory gives 25; the kernel is 1.3-1.7x
+// faster on 2,048-row products and 2-3.8x on decode's (measured there only: on Intel CPUs MKL may
+// do better). Packed layout: float [ceil(N / 64), K, 64], block b, row k, lane j = W[64 b + j, k].
+//
+// bf16: oneDNN, torch's bf16 matmul on such a CPU (an AMD EPYC, Zen 4), ran a 40-row decode step's
 // products at 160-210 GFLOP/s against the 400-410 that vdpbf16ps peaks at there (it splits thin
 // products coarsely and packs the weights again on every call); a register-blocked micro-kernel
 // (6 rows x 64 columns: 24 accumulators, four weight vectors and a broadcast row pair) over weights
@@ -12,12 +18,12 @@
 // Where the CPU has AMX, oneDNN's tile kernels are several times faster than any vdpbf16ps code,
 // and `linear_takes_bf16` says no.
 //
-// Packed layout, int32 [ceil(N / 64), K / 2, 64]: block b, pair p, lane j holds the bf16 pair
+// bf16's packed layout, int32 [ceil(N / 64), K / 2, 64]: block b, pair p, lane j holds the bf16 pair
 // (W[n, 2p], W[n, 2p + 1]) of row n = 64 b + j (zero past N). With `halves` = I (the gate/up form,
 // W = [gate; up], [2I, K]) lanes 0-31 of block b are gate rows 32 b + j and lanes 32-63 the up rows
 // I + 32 b + j, so that one block's accumulators hold both operands of 32 outputs.
 //
-// Numerics: the products of bf16 pairs accumulated in fp32 in pair order, rounded to bf16 once at
+// bf16's numerics: the products of bf16 pairs accumulated in fp32 in pair order, rounded to bf16 once at
 // the end (as oneDNN's kernels on such a CPU; equal to torch's result on the model's shapes up to
 // its own blocking of K). The gate/up form rounds g and u to bf16 first and then runs silu_mul_bf16's
 // arithmetic (elementwise/cpu_fused.cpp): bit-equal to linear, then silu_mul.
@@ -259,7 +265,8 @@ at::Tensor linear_pack(const at::Tensor& w, int64_t halves) {
   return out;
 }
 
-// out [M, n_out] bf16 = x [M, K] . W^T (silu: SiLU(gate) * up, n_out = I) over linear_pack's wp
+// out [M, n_out] = x [M, K] . W^T in x's dtype (silu, bf16 only: SiLU(gate) * up, n_out = I) over
+// linear_pack's wp
 void linear_packed(const at::Tensor& x, const at::Tensor& wp, int64_t n_out, bool silu, at::Tensor& out) {
   if (x.scalar_type() == at::kFloat) {
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && !silu, "linear_packed: fp32 rows [M, K], each row contiguous");
