@@ -101,8 +101,8 @@ class Engine(RadixExchange):
 
     def _tokens_from_memory(self, spec, num_slots: int) -> int:
         """The KV pool in tokens when sized by mem_fraction: that share of the device's free
-        memory, less the weights about to be loaded (their files, at the serving dtype), less the
-        state slots. Too little for one max_model_len sequence is a clear error."""
+        memory, less the weights about to be loaded (their files, at the serving dtype; twice on a
+        CPU, for the linear kernels' packed copies), less the state slots. Too little for one max_model_len sequence is a clear error."""
         import glob
         import os
         from .memory import dtype_bytes, free_bytes, tokens_for
@@ -111,6 +111,8 @@ class Engine(RadixExchange):
         dtype = pick_dtype(device, self.cfg.dtype)
         files = glob.glob(os.path.join(self.cfg.model, "*.safetensors"))
         weights = sum(os.path.getsize(f) for f in files) * dtype_bytes(dtype) // dtype_bytes(spec.torch_dtype or "float32")
+        if device.type == "cpu" and self.cfg.kernels != "torch":
+            weights *= 2      # the CPU linear kernels keep a packed copy of each weight (kernels/linear/cpu.py)
         free = free_bytes(device)
         budget = int(self.cfg.mem_fraction * free) - weights
         tokens = tokens_for(spec, budget, dtype, num_slots)
