@@ -58,22 +58,39 @@ def request_flops(spec: ModelSpec, prompt_tokens: int, cached_tokens: int, outpu
 
 def gemm_peak(spec: ModelSpec, rows: int = 1024, repeats: int = 40, dtype: str = "float32") -> float:
     """Best FLOP/s of matmuls in the serving dtype at the model's projection shapes, [rows, in] x
-    [in, out], measured here. Run it in a process of its own when the caller also serves
-    (bench/common.EngineHost says why)."""
+    [in, out], measured here: torch's and, where they take the dtype, the CPU linear kernels' the
+    engine runs (kernels/linear; on an AMD CPU MKL's fp32 reached 145-197 GFLOP/s where the kernel
+    reaches ~190, and a floor from the slower one would flatter the wall over it). Run it in a
+    process of its own when the caller also serves (bench/common.EngineHost says why)."""
     import torch
     dtype = getattr(torch, dtype)
     shapes = {(spec.hidden_size, spec.intermediate_size), (spec.intermediate_size, spec.hidden_size),
               (spec.hidden_size, spec.num_heads * spec.head_dim)}
+    kernel = _cpu_linear()
     best = 0.0
     for k, n in shapes:
         a, b = torch.randn(rows, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-        for _ in range(3):                                   # first calls: allocation, kernel choice, clocks
-            torch.matmul(a, b)
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            torch.matmul(a, b)
-            best = max(best, 2 * rows * k * n / (time.perf_counter() - t0))
+        w = b.t().contiguous()
+        runs = [lambda: torch.matmul(a, b)]
+        if kernel is not None and kernel._ext(a, w) is not None:
+            runs.append(lambda: kernel.linear(a, w))
+        for run in runs:
+            for _ in range(3):                               # first calls: allocation, kernel choice, clocks
+                run()
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                run()
+                best = max(best, 2 * rows * k * n / (time.perf_counter() - t0))
     return best
+
+
+def _cpu_linear():
+    """kernels.linear.cpu once the CPU kernels are built (None where they cannot be)."""
+    from radixflow.kernels import cpu_ext
+    if cpu_ext.wait(600) is None:
+        return None
+    from radixflow.kernels.linear import cpu
+    return cpu
 
 
 def measure_peak(model: str, dtype: str = "float32") -> float:
