@@ -13,7 +13,8 @@
 // the softmax's denominator (cascade's merge), -inf with o = 0 for a row that sees no key.
 // Numerics as torch's op on bf16 inputs: q.k accumulated in fp32, the exponentials summed in fp32
 // and rounded to bf16 for the product with V, accumulated in fp32.
-// Uses exp_fast, to_bf16x16 and RF_BF16_VECTOR from elementwise/cpu_fused.cpp (one translation unit).
+// Uses exp_fast, to_bf16x16, shared_for and RF_BF16_VECTOR from elementwise/cpu_fused.cpp (one
+// translation unit).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -161,19 +162,6 @@ static void pv_rows(const uint16_t* P, int64_t ps, const uint32_t* vp, int64_t n
   for (; r < rows; ++r) pv<1, DV>(P + r * ps, ps, vp, n, o + r * 16 * DV);
 }
 
-// Tasks handed out one at a time from a shared counter, to each of torch's threads: `body(next)`
-// runs once per thread, next() gives a task index or -1. Under `radixflow up` the event loop shares
-// these cores, and with torch's static split (parallel_for) a whole call waited for the one thread
-// the loop had preempted; here the other thread takes over its share.
-template <typename F>
-static void shared_for(int64_t n, F&& body) {
-  std::atomic<int64_t> counter{0};
-  auto next = [&]() -> int64_t {
-    const int64_t i = counter.fetch_add(1, std::memory_order_relaxed);
-    return i < n ? i : -1;
-  };
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) { body(next); });
-}
 
 struct Task {
   const uint16_t* q;

@@ -10,9 +10,25 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+// Tasks handed out one at a time from a shared counter, to each of torch's threads (the kernels of
+// this translation unit whose work splits unevenly: prefill attention, the linear layers): `body(next)`
+// runs once per thread, next() gives a task index or -1. Under `radixflow up` the event loop shares
+// these cores, and with torch's static split (parallel_for) a whole call waited for the one thread
+// the loop had preempted; here the other thread takes over its share.
+template <typename F>
+static void shared_for(int64_t n, F&& body) {
+  std::atomic<int64_t> counter{0};
+  auto next = [&]() -> int64_t {
+    const int64_t i = counter.fetch_add(1, std::memory_order_relaxed);
+    return i < n ? i : -1;
+  };
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) { body(next); });
+}
 
 // e^x as Cephes' expf (range reduction by ln 2, a degree-6 polynomial, the exponent set by bits):
 // within 2 ulp over [-87, 88] and branch-free, so that GCC vectorizes the loops it sits in

@@ -27,8 +27,8 @@
 // the end (as oneDNN's kernels on such a CPU; equal to torch's result on the model's shapes up to
 // its own blocking of K). The gate/up form rounds g and u to bf16 first and then runs silu_mul_bf16's
 // arithmetic (elementwise/cpu_fused.cpp): bit-equal to linear, then silu_mul.
-// Uses exp_fast16, bf16_round16, to_bf16x16 and RF_BF16_VECTOR from elementwise/cpu_fused.cpp and
-// shared_for's idea from attention/cpu_prefill.cpp (one translation unit).
+// Uses exp_fast16, bf16_round16, to_bf16x16, shared_for and RF_BF16_VECTOR from
+// elementwise/cpu_fused.cpp (one translation unit).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -45,17 +45,6 @@ namespace rf_gemm {
 constexpr int64_t NB = 64;   // packed weight rows (output columns) per block: four vectors of 16
 constexpr int MR = 6;        // rows per micro-tile: 6 x 4 accumulators + 4 weight vectors + 1 broadcast
 constexpr int64_t RB = 96;   // rows per task (16 micro-tiles); a task is RB rows x one block
-
-// Tasks from a shared counter (cpu_prefill.cpp's shared_for says why not torch's static split)
-template <typename F>
-static void shared_for(int64_t n, F&& body) {
-  std::atomic<int64_t> counter{0};
-  auto next = [&]() -> int64_t {
-    const int64_t i = counter.fetch_add(1, std::memory_order_relaxed);
-    return i < n ? i : -1;
-  };
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) { body(next); });
-}
 
 // fp32: C[R, 64] of block bp ([K, 64] floats) over rows a, one FMA per weight and row; each output
 // sums its K products in order from 0, whatever the row count (a row's result does not depend on the
