@@ -24,9 +24,18 @@ def _ext(x: torch.Tensor, weight: torch.Tensor):
         return None
     if x.dtype == torch.float32:
         return ext if ext.linear_takes_fp32() else None
-    if x.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and ext.linear_takes_bf16():
+    if x.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and ext.linear_takes_bf16() \
+            and not (weight.shape[1] > BF16_LONG_K and x.numel() // weight.shape[1] > BF16_LONG_K_ROWS):
         return ext
     return None
+
+
+# bf16 products over K past this, for more rows than BF16_LONG_K_ROWS, go to oneDNN: the kernel does not
+# block K, and a weight block of K x 64 past L2 made 1,024 x 12,288 x 1,024 run at 270 GFLOP/s against
+# oneDNN's 402 (at 8,192 the kernel still led, 388 against 365; at 40 rows x 12,288, 339 against 241).
+# fp32 streamed well at every K tried (207-211 GFLOP/s up to 12,288, MKL 123-148).
+BF16_LONG_K = 8192
+BF16_LONG_K_ROWS = 256
 
 
 def _packed(ext, weight: torch.Tensor, halves: int) -> torch.Tensor:

@@ -529,3 +529,10 @@ def test_linear_packs_a_weight_once_and_again_when_it_changes(built):
     assert w._rf_packed[1] is not packed and torch.equal(again, lin_cpu.reference.linear(x, w))
     xf, wf = x.double(), w.double()
     assert torch.equal(lin_cpu.linear(xf, wf), torch.nn.functional.linear(xf, wf)) and not hasattr(wf, "_rf_packed")
+    # bf16 over a K past BF16_LONG_K: many rows go to oneDNN (the kernel does not block K), a few to the kernel
+    K = lin_cpu.BF16_LONG_K + 2
+    wl = torch.randn(64, K, generator=gen).bfloat16()
+    lin_cpu.linear(torch.randn(lin_cpu.BF16_LONG_K_ROWS + 1, K, generator=gen).bfloat16(), wl)
+    assert not hasattr(wl, "_rf_packed")
+    lin_cpu.linear(torch.randn(40, K, generator=gen).bfloat16(), wl)
+    assert hasattr(wl, "_rf_packed")
