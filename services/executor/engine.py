@@ -102,7 +102,8 @@ class Engine(RadixExchange):
     def _tokens_from_memory(self, spec, num_slots: int) -> int:
         """The KV pool in tokens when sized by mem_fraction: that share of the device's free
         memory, less the weights about to be loaded (their files, at the serving dtype; twice on a
-        CPU, for the linear kernels' packed copies), less the state slots. Too little for one max_model_len sequence is a clear error."""
+        CPU, for the linear kernels' packed copies), less the state slots. Too little for one
+        max_model_len sequence is a clear error."""
         import glob
         import os
         from .memory import dtype_bytes, free_bytes, tokens_for
