@@ -275,7 +275,10 @@ class Engine(RadixExchange):
             return False
         if now - self._last_arrival >= self.cfg.burst_gap_s and self._expect <= 0:
             return False
-        work = sum(s.prefill_len - s.computed_len for s in self.batcher.running if s.computed_len < s.prefill_len)
+        running = self.batcher.running
+        if any(s.computed_len >= s.prefill_len for s in running):
+            return False        # decoding requests' tokens do not wait for company (as in _await_burst)
+        work = sum(s.prefill_len - s.computed_len for s in running)
         return 0 < work < self.cfg.burst_enough_tokens
 
     def _compute(self) -> list[tuple[str, SeqOutput]]:
