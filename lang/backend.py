@@ -11,8 +11,6 @@ import urllib.request
 from abc import ABC, abstractmethod
 from typing import Any
 
-from radixflow.shared import eventloop
-
 
 class ProgramError(Exception):
     """A program (or one node of it) failed; `code` follows HTTP."""
@@ -81,7 +79,7 @@ class NatsRuntime(Backend):
         from radixflow.shared.bus import Bus
         from radixflow.shared.config import BusConfig
         self.tenant, self.timeout = tenant, timeout
-        self._loop = eventloop.new_event_loop()
+        self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="radixflow-lang-nats", daemon=True)
         self._thread.start()
         self._bus = Bus("radixflow-lang", BusConfig(nats_url=nats_url))

@@ -103,7 +103,7 @@ async def run_until_signal(stack: Stack) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stack.start()
-    _log.info("ready", services=stack.names, event_loop=type(loop).__module__.split(".")[0])
+    _log.info("ready", services=stack.names)
     await stop.wait()
     _log.info("shutting down: draining in-flight requests")
     await stack.stop()

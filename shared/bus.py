@@ -193,7 +193,7 @@ class Bus:
             await self.nc.publish(subject, self._encode(msg, subject), reply=inbox)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(enough.wait(), window_s)
-            # a loop, not one sleep: uvloop's timers have millisecond resolution and may wake early
+            # a loop, not one sleep: a timer may fire early (uvloop's, at millisecond resolution, did)
             while (left := min(min_s, window_s) - (time.monotonic() - t0)) > 0:
                 await asyncio.sleep(max(left, 0.001))
         finally:

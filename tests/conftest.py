@@ -22,14 +22,6 @@ def pytest_sessionstart(session):
     cpu_ext.wait(900)
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_asyncio_loop_factories(config, item):
-    """The services' loop (shared/eventloop.py: uvloop where installed), so that the tests run the
-    stack on the loop it runs on in production."""
-    from radixflow.shared import eventloop
-    return {eventloop.name(): eventloop.new_event_loop}
-
-
 @pytest.fixture(scope="session")
 def nats_server():
     with NatsServer() as srv:

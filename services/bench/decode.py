@@ -12,7 +12,6 @@ import random
 
 from radixflow.services.executor.engine import Engine
 from radixflow.shared.messages import ExecRequest, SamplingParams
-from radixflow.shared import eventloop
 
 from .common import EngineHost, Timer, generate, median, served
 
@@ -75,7 +74,7 @@ def run_decode(model: str, batches: list[int], prompt_len: int, new_tokens: int,
                                                                  new_tokens))
                         srv[b].append(await served_decode(http, base, b, prompt_len, new_tokens))
             return eng, srv
-        eng, srv = eventloop.run(both())
+        eng, srv = asyncio.run(both())
     rows = []
     for b in batches:
         e_dec = median([x["decode_tok_s"] for x in eng[b]])
@@ -105,7 +104,7 @@ def run_latency(model: str, prompt_len: int, repeats: int) -> dict:
                                                                                         "temperature": 0}})
                     srv.append(t.s)
             return eng, srv
-        eng, srv = eventloop.run(both())
+        eng, srv = asyncio.run(both())
     e, s = median(eng[WARM:]), median(srv[WARM:])
     return {"model": model, "prompt_len": prompt_len, "repeats": repeats, "engine_ms": round(e * 1e3, 2),
             "served_e2e_ms": round(s * 1e3, 2), "service_path_overhead_ms": round((s - e) * 1e3, 2),

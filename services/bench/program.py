@@ -15,7 +15,6 @@ import time
 
 from .common import Timer, generate, served
 from .shared_prefix import workload
-from radixflow.shared import eventloop
 
 SCHEMA = {"type": "object", "properties": {"tool": {"type": "string", "enum": ["search", "calc", "none"]},
                                            "arg": {"type": "string", "maxLength": 24}},
@@ -142,7 +141,7 @@ def _tree(model: str, question: str, repeats: int) -> dict:
                     res = await loop.run_in_executor(None, lambda: runs[name](question=question, backend=backend))
                     out[name].append((res, time.perf_counter() - t0, computed() - c0))
             return out, stack.cfg.executor.page_size
-    out, page = eventloop.run(main())
+    out, page = asyncio.run(main())
     n = out["program"][0][0].nodes
     # each level's shared prefix (the question and every chosen thought so far) is computed once:
     # a thought recomputes only its own line and the prefix's last partial page
@@ -169,5 +168,5 @@ def run_program(models: list[str], preamble: int, suffix: int, n: int, max_token
         vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
         pre, sufs = workload(preamble, suffix, n, vocab)
         name = model.rstrip("/").rsplit("/", 1)[-1]
-        out[name] = {"agent": eventloop.run(_agent(model, pre, sufs, max_tokens, repeats)), "tree_of_thought": _tree(model, question, repeats)}
+        out[name] = {"agent": asyncio.run(_agent(model, pre, sufs, max_tokens, repeats)), "tree_of_thought": _tree(model, question, repeats)}
     return out

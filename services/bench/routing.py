@@ -20,7 +20,6 @@ import aiohttp
 from radixflow.services.stack import ORDER, Stack, stack_config
 from radixflow.shared.bus import Bus
 from radixflow.shared.natsd import NatsServer
-from radixflow.shared import eventloop
 
 from .common import Timer, generate
 
@@ -106,7 +105,7 @@ def run_routing(model: str, executors: list[int], preambles: int, calls: int, pr
     out: dict = {"model": os.path.basename(model), "preambles": preambles, "calls_per_preamble_per_wave": calls,
                  "waves": len(waves), "preamble_tokens": preamble, "suffix_tokens": suffix, "runs": []}
     for n in executors:
-        sides = {p: eventloop.run(_side(model, p, n, waves, out_tokens)) for p in POLICIES}
+        sides = {p: asyncio.run(_side(model, p, n, waves, out_tokens)) for p in POLICIES}
         rr, ca = sides["round_robin"], sides["cache_aware"]
         same = rr.pop("outputs") == ca.pop("outputs")
         out["runs"] += [rr, ca]

@@ -13,7 +13,6 @@ import json
 import os
 
 from .shared_prefix import warm_up, workload
-from radixflow.shared import eventloop
 
 SIBLINGS = (10, 20, 40, 80, 160)
 PREAMBLES = (1000, 2000, 4000, 8000, 16000)
@@ -62,11 +61,11 @@ def run_scaling(model: str, against: str | None = None, siblings=SIBLINGS, pream
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
     points = [(3000, n) for n in siblings] + [(p, 40) for p in preambles]
     with paused(against, pause_peer) as stopped:     # a local peer: each side alone (peer.py)
-        ours = eventloop.run(_ours(model, points, vocab, dtype))
+        ours = asyncio.run(_ours(model, points, vocab, dtype))
     out = {"model": model, "dtype": dtype, "points": [{"preamble": p, "siblings": n} for p, n in points],
            "radixflow": ours}
     if against:
-        out["against"] = {"url": against, "rows": eventloop.run(_peer(against.rstrip("/"), points, vocab)),
+        out["against"] = {"url": against, "rows": asyncio.run(_peer(against.rstrip("/"), points, vocab)),
                           "paused_while_radixflow_ran": describe(stopped)}
         for a, b in zip(out["radixflow"], out["against"]["rows"]):
             if "wall_s" in b:

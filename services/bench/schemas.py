@@ -41,7 +41,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
-from radixflow.shared import eventloop
 
 SAMPLE_OUTCOMES = ("valid", "invalid", "truncated", "rejected_output", "unchecked", "error")
 PROMPT = "Write one JSON document that conforms to the JSON Schema named {name!r}. Answer with the JSON only."
@@ -415,7 +414,7 @@ def run_schemas(model: str, directory: str, backend: str = "auto", json_out: str
     service's default engine (the stack's gr_backend: auto, xgrammar, llguidance)."""
     if not Path(directory).is_dir():
         raise SystemExit(f"bench schemas: {directory!r} is not a directory")
-    out = eventloop.run(bench_schemas(model, directory, cfg, **({} if backend == "auto" else {"gr_backend": backend})))
+    out = asyncio.run(bench_schemas(model, directory, cfg, **({} if backend == "auto" else {"gr_backend": backend})))
     out["backend"] = backend
     if json_out:
         with open(json_out, "w") as f:

@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
-from radixflow.shared import eventloop
 
 
 @dataclass
@@ -215,9 +214,9 @@ def run_serve(model: str, cfg: ServeConfig, against: str | None = None, plot: st
     async def ours():
         async with served(model) as (stack, _, base):
             return await sweep(base, cfg, "radixflow", stack.actors["radix"])
-    out = {"model": model, "config": cfg.__dict__ | {"levels": list(cfg.levels)}, "radixflow": eventloop.run(ours())}
+    out = {"model": model, "config": cfg.__dict__ | {"levels": list(cfg.levels)}, "radixflow": asyncio.run(ours())}
     if against:
-        out["against"] = {"url": against, "rows": eventloop.run(sweep(against, cfg, against))}
+        out["against"] = {"url": against, "rows": asyncio.run(sweep(against, cfg, against))}
     if plot:
         out["plot"] = plot_curves(out, plot)
     return out

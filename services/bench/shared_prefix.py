@@ -15,7 +15,6 @@ import random
 import statistics
 
 from radixflow.services.executor.models.spec import ModelSpec
-from radixflow.shared import eventloop
 
 from .common import Timer, encoded, generate, served
 from .flops import measure_peak, request_flops
@@ -168,15 +167,15 @@ def run_shared_prefix(model: str, preamble: int, suffix: int, n: int, out_tokens
     runs = [workload(preamble, suffix, n, vocab, seed=7 + r) for r in range(max(repeats, 1))]
     # a peer on this machine is paused meanwhile, so that each side has the machine to itself (peer.py)
     with paused(against, pause_peer) as stopped:
-        on = eventloop.run(_side(model, runs, out_tokens, True, first_alone, dtype))
-        off = eventloop.run(_side(model, runs, out_tokens, False, first_alone, dtype))
+        on = asyncio.run(_side(model, runs, out_tokens, True, first_alone, dtype))
+        off = asyncio.run(_side(model, runs, out_tokens, False, first_alone, dtype))
         # the compute floor: the FLOPs of what a side computed, at the GEMM peak of the dtype it served
         # in, measured now (bf16 matmuls run ~4x faster where the CPU has AMX, and so the floor is lower)
         peak = measure_peak(model, on["dtype"])
     for side in (on, off):
         side["floor_s"] = round(side["gflops"] * 1e9 / peak, 3)
         side["wall_over_floor"] = round(side["wall_s"] / side["floor_s"], 2)
-    peer = eventloop.run(_peer(against.rstrip("/"), runs, out_tokens, first_alone)) if against else None
+    peer = asyncio.run(_peer(against.rstrip("/"), runs, out_tokens, first_alone)) if against else None
     outs_on, outs_off = on.pop("outputs"), off.pop("outputs")
     same = sum(a == b for a, b in zip(outs_on, outs_off))
     token_ratio = off["prefill_tokens_computed"] / max(on["prefill_tokens_computed"], 1)

@@ -10,11 +10,11 @@
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
 import time
 import zlib
-from radixflow.shared import eventloop
 
 MEDIUM_SCHEMA = {
     "type": "object",
@@ -155,7 +155,7 @@ def _decode(model: str, blob: bytes, batch: int, new_tokens: int, rounds: int) -
 
 
 def run_structured(model: str, repeats: int = 200, batch: int = 16, new_tokens: int = 256, rounds: int = 5) -> dict:
-    compile_stats, _ = eventloop.run(_compile(model, repeats))
+    compile_stats, _ = asyncio.run(_compile(model, repeats))
 
     async def decode_blob():
         from radixflow.services.grammar.compiler import Compiler
@@ -166,5 +166,5 @@ def run_structured(model: str, repeats: int = 200, batch: int = 16, new_tokens: 
             return c.fetch(key).data
         finally:
             await c.stop()
-    blob = eventloop.run(decode_blob())
+    blob = asyncio.run(decode_blob())
     return {"model": model, "compile": compile_stats, "decode": _decode(model, blob, batch, new_tokens, rounds)}

@@ -12,9 +12,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
-from radixflow.shared import eventloop
 
 
 def _cache_dir() -> str:
@@ -125,7 +125,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         url = server.url
         print(f"embedded nats-server on {url}", file=sys.stderr)
     try:
-        eventloop.run(run_until_signal(Stack(stack_config(url, model, **_overrides(a)))))
+        asyncio.run(run_until_signal(Stack(stack_config(url, model, **_overrides(a)))))
     finally:
         if server is not None:
             server.stop()
@@ -138,7 +138,7 @@ def cmd_service(a: argparse.Namespace) -> int:
         print(f"unknown service {a.name!r}; one of {', '.join(ORDER)}", file=sys.stderr)
         return 2
     model = a.model or (default_model() if a.name in ("executor", "tokenizer") else "")
-    eventloop.run(run_until_signal(Stack(stack_config(a.nats_url, model, **_overrides(a)), names=(a.name,))))
+    asyncio.run(run_until_signal(Stack(stack_config(a.nats_url, model, **_overrides(a)), names=(a.name,))))
     return 0
 
 
