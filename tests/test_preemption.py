@@ -135,39 +135,6 @@ def test_admission_waits_for_the_requests_a_burst_announced(models):
     assert e2._expect == 0
 
 
-def test_siblings_of_a_cached_preamble_arriving_one_by_one_share_a_step(models):
-    """An agent's siblings reach an idle executor one by one (each of its prompts is long enough
-    for a step by itself, so _await_burst does not wait for company). Admitted, each computes only
-    its suffix over the cached preamble: admission goes on while they keep arriving within
-    burst_gap_s, so they are prefilled together in the first step, not the first one alone, until
-    the suffixes admitted add up to burst_enough_tokens (8 of 8 tokens each here)."""
-    import threading
-    import time
-    kw = dict(model=models["tiny-dense"], page_size=16, max_total_tokens=128 * 16, max_running_requests=16,
-              warmup_tokens=0, burst_gap_s=0.5, burst_wait_s=30.0, burst_enough_tokens=64)
-    e = Engine(EngineConfig(**kw))
-    pre = prompt(5, 96)
-    drive(e, [req("first", pre + [7], max_new_tokens=1, ignore_eos=True)])    # the preamble, cached
-    sibs = [req(f"s{i}", pre + prompt(20 + i, 8), max_new_tokens=2, ignore_eos=True) for i in range(10)]
-    computed = e.counters["prefill_tokens_computed_total"]
-
-    def arrive():
-        for r in sibs:
-            e.add(r)
-            time.sleep(0.05)          # well within burst_gap_s: the same burst
-    t = threading.Thread(target=arrive)
-    t.start()
-    while not e.has_work():
-        time.sleep(0.001)
-    e.step()
-    assert len(e.batcher.running) == 8 and not e.batcher.waiting       # 8 x 8 suffix tokens, then it computed
-    assert e.counters["prefill_tokens_computed_total"] - computed == 8 * 8      # suffixes only
-    t.join(30)
-    while e.has_work():
-        e.step()
-    assert no_leak(e)
-
-
 def test_prompts_go_in_full_to_an_authority_that_does_not_take_known_candidates(models):
     """A radix from before Candidate.known would read an elided prompt as an empty one: the
     executor elides prompts only when registration said the authority takes them."""

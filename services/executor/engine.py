@@ -34,8 +34,6 @@ from .spelling import Speller
 __all__ = ["Engine", "EngineConfig"]     # EngineConfig lives in engine_config.py
 
 _log = log.get("executor")
-# intake-and-exchange rounds before a step computes (a burst's requests joining it; _burst_open)
-MAX_ADMISSION_ROUNDS = 64
 FINISHED_KEEP = 2048     # finished requests whose outputs a replay can still return
 
 
@@ -246,40 +244,15 @@ class Engine(RadixExchange):
             outs += self._compute()
             return outs + (self._receive(*pending) if pending else [])
         outs += self._exchange()
-        deadline = time.monotonic() + self.cfg.burst_wait_s
-        for _ in range(MAX_ADMISSION_ROUNDS):
+        for _ in range(3):
             # requests that arrived while we waited on the page authority join this step rather than
             # the next: a burst of requests is prefilled together (no added wait for a lone request)
             with self._lock:
-                new = bool(self._new)
-            if new:
-                outs += self._intake()
-                outs += self._exchange()
-            elif self._burst_open(deadline):
-                time.sleep(max(self.cfg.burst_gap_s / 4, 0.0005))
-            else:
-                break
+                if not self._new:
+                    break
+            outs += self._intake()
+            outs += self._exchange()
         return outs + self._compute()
-
-    def _burst_open(self, deadline: float) -> bool:
-        """Admitted, a burst's requests may turn out cheap: an agent's siblings share a cached
-        preamble, and each computes only its suffix. _await_burst judged them by their prompts
-        (3,100 tokens each: enough for a step at once), so the first sibling would be prefilled
-        alone, or with the few that came with it, and the rest a step later. While the burst is
-        still arriving (the last request less than burst_gap_s ago, or announced ones missing) and
-        what was admitted computes fewer than burst_enough_tokens, admission goes on, up to
-        burst_wait_s: on the radix acceptance's workload (its 39 siblings sent by 39 client
-        threads, arriving over ~40 ms), the siblings were prefilled in 4-5 steps instead of 2."""
-        now = time.monotonic()
-        if now >= deadline or self.batcher.waiting:      # refused ones wait for pages, not for company
-            return False
-        if now - self._last_arrival >= self.cfg.burst_gap_s and self._expect <= 0:
-            return False
-        running = self.batcher.running
-        if any(s.computed_len >= s.prefill_len for s in running):
-            return False        # decoding requests' tokens do not wait for company (as in _await_burst)
-        work = sum(s.prefill_len - s.computed_len for s in running)
-        return 0 < work < self.cfg.burst_enough_tokens
 
     def _compute(self) -> list[tuple[str, SeqOutput]]:
         outs = []

@@ -41,9 +41,7 @@ class EngineConfig:
     # per token as a bigger one, and waiting only delays it. On the served agent workload the first
     # request reached the executor ~45 ms after the burst began and the last ~10 ms later (each
     # stage of the path handles the whole burst before the next one sees its first request); an
-    # agent's siblings wait for the first one's preamble anyway. Counted in prompt tokens before
-    # admission; after it, in the tokens the admitted requests compute (Engine._burst_open: siblings
-    # over a cached preamble keep admission open while they arrive). 0: always wait
+    # agent's siblings wait for the first one's preamble anyway. 0: always wait
     burst_enough_tokens: int = 2048
     # structured output: draft the tokens of text the grammar forces and verify them in the next
     # decode step (jump.py); at most this many per step, 0: off
