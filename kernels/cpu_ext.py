@@ -29,7 +29,7 @@ SOURCES = [_HERE / "elementwise" / "cpu_fused.cpp", _HERE / "gated_delta_rule" /
            _HERE / "linear" / "cpu_gemm.cpp"]
 FUNCTIONS = ["gdr_decode_depths", "gdr_prefill", "conv_update_depths", "conv_prefill", "silu_mul",
              "silu_mul_takes_bf16", "rms_norm", "gated_rms_norm", "apply_bitmask", "decode_rows", "attend_prefill",
-             "attend_takes_bf16", "rotary", "linear_takes_bf16", "linear_takes_fp32", "linear_pack", "linear_packed"]
+             "attend_takes_bf16", "attend_takes_fp32", "rotary", "linear_takes_bf16", "linear_takes_fp32", "linear_pack", "linear_packed"]
 
 _lock = threading.Lock()
 _done = threading.Event()
@@ -87,6 +87,7 @@ def _load():
              "void attend_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, "
              "const at::Tensor& q_pos, double scale, at::Tensor& o, at::Tensor& lse);\n"
              "bool attend_takes_bf16();\n"
+             "bool attend_takes_fp32();\n"
              "void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out);\n"
              "bool linear_takes_bf16();\n"
              "bool linear_takes_fp32();\n"

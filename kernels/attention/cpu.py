@@ -2,7 +2,7 @@
 which serve until the kernels are built and for what they do not take (another device or dtype, q
 and pool in two dtypes):
 - decode (cpu_decode.cpp): naive.decode_attention, cascade.cascade_decode's own parts;
-- many query rows over one K/V in bf16 (cpu_prefill.cpp): cascade.attend_lse, which extend_attention,
+- many query rows over one K/V, bf16 or fp32 (cpu_prefill.cpp): cascade.attend_lse, which extend_attention,
   cascade_prefill and the shared part of cascade_decode take (torch's flash-attention op for the rest)."""
 from __future__ import annotations
 
@@ -37,13 +37,13 @@ def decode_attention(q, k_cache, v_cache, slot_table, seq_lens, scale: float) ->
 
 
 def _attend_ext(q: torch.Tensor, k: torch.Tensor):
-    """The built module where the prefill kernel takes these (bf16 on a CPU with AVX512-BF16, head
-    size 64, 128 or 256), else None."""
+    """The built module where the prefill kernel takes these (head size 64, 128 or 256; bf16 on a CPU
+    with AVX512-BF16, fp32 on one with AVX-512), else None."""
     ext = cpu_ext.get()
-    if ext is None or not (q.device.type == "cpu" and q.dtype == k.dtype == torch.bfloat16
-                           and q.shape[-1] in (64, 128, 256) and ext.attend_takes_bf16()):
+    if ext is None or not (q.device.type == "cpu" and q.dtype == k.dtype and q.shape[-1] in (64, 128, 256)):
         return None
-    return ext
+    takes = ext.attend_takes_bf16() if q.dtype == torch.bfloat16 else q.dtype == torch.float32 and ext.attend_takes_fp32()
+    return ext if takes else None
 
 
 def attend_lse(q, k, v, scale: float, q_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,18 +19,16 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
-#ifdef RF_BF16_VECTOR
+#if defined(__AVX512F__)
 namespace rf_attn {
 
-constexpr int64_t KB = 64;   // keys per packed K block: the QK micro-kernel's 4 vectors of 16
-constexpr int64_t QB = 32;   // query rows per task (rows are (token, query head) pairs of one kv head)
-constexpr int64_t SB = 128;  // keys per softmax block: scores [QB, SB] fp32 and P [QB, SB] bf16 stay in L1
+constexpr int64_t kKeyBlock = 64;   // keys per packed K block: the QK micro-kernels' 4 vectors of 16
 
 // a 16 x 16 block of 32-bit values transposed in registers: r[c] becomes what was column c
 static inline void transpose16(__m512i r[16]) {
@@ -56,24 +54,34 @@ static inline void transpose16(__m512i r[16]) {
   }
 }
 
-// K of one kv head as bf16 pairs along the head dim, 64 keys side by side:
-// out[(b * D/2 + dp) * 64 + j] = (k[64b + j, 2dp], k[64b + j, 2dp + 1]); keys past S are zero.
+// K of one kv head as 32-bit words (bf16 pairs along the head dim, or fp32 values), 64 keys side by
+// side: out[(b * W + w) * 64 + j] = word w of key 64b + j's row (W words a row); keys past S are zero.
 // By 16 x 16 register transposes: a decode step's shared prefix is packed anew for its few query
 // rows, and the scalar form took as long as the products (0.3 ms of 0.8 for 40 rows over 3,100 keys)
-static void pack_k(const uint16_t* k, int64_t ks, int64_t S, int64_t Sp, int64_t D, uint32_t* out) {
-  const int64_t DP = D / 2;
+static void pack_k(const char* k, int64_t row_bytes, int64_t S, int64_t Sp, int64_t W, uint32_t* out) {
+  const int64_t DP = W;
   __m512i r[16];
   for (int64_t j0 = 0; j0 < Sp; j0 += 16) {
-    uint32_t* blk = out + (j0 / KB) * DP * KB + j0 % KB;
+    uint32_t* blk = out + (j0 / kKeyBlock) * DP * kKeyBlock + j0 % kKeyBlock;
     for (int64_t c0 = 0; c0 < DP; c0 += 16) {
       for (int i = 0; i < 16; ++i)
-        r[i] = j0 + i < S ? _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(k + (j0 + i) * ks) + c0)
+        r[i] = j0 + i < S ? _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(k + (j0 + i) * row_bytes) + c0)
                           : _mm512_setzero_si512();
       transpose16(r);
-      for (int c = 0; c < 16; ++c) _mm512_storeu_si512(blk + (c0 + c) * KB, r[c]);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_si512(blk + (c0 + c) * kKeyBlock, r[c]);
     }
   }
 }
+
+}  // namespace rf_attn
+#endif
+
+#ifdef RF_BF16_VECTOR
+namespace rf_attn {
+
+constexpr int64_t KB = kKeyBlock;
+constexpr int64_t QB = 32;   // query rows per task (rows are (token, query head) pairs of one kv head)
+constexpr int64_t SB = 128;  // keys per softmax block: scores [QB, SB] fp32 and P [QB, SB] bf16 stay in L1
 
 // V of one kv head as bf16 pairs along the keys: out[jp * D + d] = (v[2jp, d], v[2jp + 1, d])
 static void pack_v(const uint16_t* v, int64_t vs, int64_t S, int64_t Sp, int64_t D, uint32_t* out) {
@@ -265,7 +273,8 @@ static void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   shared_for(2 * Hkv, [&](auto next) {
     for (int64_t i = next(); i >= 0; i = next()) {
       const int64_t h = i / 2;
-      if (i % 2 == 0) pack_k(kd + h * k.stride(1), k.stride(0), S, Sp, D, kp.get() + h * Sp * D / 2);
+      if (i % 2 == 0) pack_k(reinterpret_cast<const char*>(kd + h * k.stride(1)), 2 * k.stride(0), S, Sp, D / 2,
+                             kp.get() + h * Sp * D / 2);
       else pack_v(vd + h * v.stride(1), v.stride(0), S, Sp, D, vp.get() + h * Sp * D / 2);
     }
   });
@@ -288,8 +297,208 @@ static void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 }  // namespace rf_attn
 #endif
 
+#if defined(__AVX512F__)
+namespace rf_attn32 {
+// The fp32 form (a CPU with AVX-512; the fp32 model's prefill). The same plan as the bf16 one above,
+// by FMA: K packed once per call as fp32 blocks of 64 keys (rf_attn::pack_k), V read in place (its
+// rows are the micro-kernel's vectors as they lie), and 6-row micro-tiles, the linear kernel's shape
+// (24 accumulators, 4 vectors of K or V, 1 broadcast: 29 of 32 registers). torch's flash-attention op
+// ran the agent workload's prefill attention at ~110 GFLOP/s against the ~210 the FMA peaks at.
+// Numerics: q.k and P.V accumulated in fp32 in key order, the exponentials by exp_fast16 (2 ulp).
+using rf_attn::kKeyBlock;
+constexpr int64_t KB = kKeyBlock;
+constexpr int MR = 6;        // rows per micro-tile
+constexpr int64_t QB = 36;   // rows per task (6 micro-tiles)
+constexpr int64_t SB = 128;  // keys per softmax block: scores [QB, SB] fp32 (18 KB) stay in L1
+
+// GCC folds a vector load into each FMA that reads it (a memory operand) unless the vector is
+// pinned in a register: the micro-tiles then load each K or V vector 6 times, and the loads, not
+// the FMAs, set the pace
+static inline __m512 pinned(__m512 x) {
+  asm("" : "+v"(x));
+  return x;
+}
+
+// s[r, 0:64] = q[r] . K block (packed: [D, 64]), for R rows of q (contiguous, D wide)
+template <int R>
+static inline void qk(const float* q, int64_t D, const float* kb, float* s, int64_t ss) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const float* kr = kb + d * KB;
+    const __m512 k0 = pinned(_mm512_loadu_ps(kr)), k1 = pinned(_mm512_loadu_ps(kr + 16)),
+                 k2 = pinned(_mm512_loadu_ps(kr + 32)), k3 = pinned(_mm512_loadu_ps(kr + 48));
+    for (int r = 0; r < R; ++r) {
+      const __m512 x = _mm512_set1_ps(q[r * D + d]);
+      acc[r][0] = _mm512_fmadd_ps(x, k0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(x, k1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(x, k2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(x, k3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * ss + 16 * c, acc[r][c]);
+}
+
+// o[r, 0:64] += P[r, 0:n] V[0:n, 0:64] for R rows (P rows of stride ps; V rows of stride vs, in place)
+template <int R>
+static inline void pv(const float* P, int64_t ps, const float* v, int64_t vs, int64_t n, float* o, int64_t os) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_loadu_ps(o + r * os + 16 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vr = v + j * vs;
+    const __m512 v0 = pinned(_mm512_loadu_ps(vr)), v1 = pinned(_mm512_loadu_ps(vr + 16)),
+                 v2 = pinned(_mm512_loadu_ps(vr + 32)), v3 = pinned(_mm512_loadu_ps(vr + 48));
+    for (int r = 0; r < R; ++r) {
+      const __m512 p = _mm512_set1_ps(P[r * ps + j]);
+      acc[r][0] = _mm512_fmadd_ps(p, v0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(p, v1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(p, v2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(p, v3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + r * os + 16 * c, acc[r][c]);
+}
+
+// the first `rows` rows, MR at a time, then the rest in one smaller tile
+template <typename Tile>
+static inline void by_tiles(int64_t rows, Tile&& tile) {
+  int64_t r = 0;
+  for (; r + MR <= rows; r += MR) tile(std::integral_constant<int, MR>{}, r);
+  switch (rows - r) {
+    case 1: tile(std::integral_constant<int, 1>{}, r); break;
+    case 2: tile(std::integral_constant<int, 2>{}, r); break;
+    case 3: tile(std::integral_constant<int, 3>{}, r); break;
+    case 4: tile(std::integral_constant<int, 4>{}, r); break;
+    case 5: tile(std::integral_constant<int, 5>{}, r); break;
+    default: break;
+  }
+}
+
+struct Task {
+  const float* q;
+  int64_t qs0, qs1;
+  const float* v;       // V of kv head 0 (a head's rows: + h * vs1, stride vs0)
+  int64_t vs0, vs1;
+  const int64_t* pos;   // nullptr: no mask
+  int64_t T, G, D, S, Sp;
+  float scale;
+};
+
+// one task: QB rows (t * G + g for t in tokens, g in the kv head's query heads) of kv head h
+static void rows_task(const Task& a, int64_t h, int64_t r0, const float* kp, float* op, float* lsep, int64_t Hq,
+                      float* qbuf, float* s, float* o, float* m, float* l) {
+  const int64_t D = a.D, n = std::min(QB, a.T * a.G - r0);
+  int64_t lim = a.S;                                        // keys [0, lim) may be visible to a row
+  int64_t full = a.S;                                       // keys [0, full) visible to every row
+  if (a.pos != nullptr) {
+    int64_t hi = -1, lo = a.S;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t p = a.pos[(r0 + i) / a.G];
+      hi = std::max(hi, p);
+      lo = std::min(lo, p + 1);
+    }
+    lim = std::min(a.S, hi + 1);
+    full = std::max<int64_t>(0, std::min(lo, a.S));
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = (r0 + i) / a.G, g = (r0 + i) % a.G;
+    const float* src = a.q + t * a.qs0 + (h * a.G + g) * a.qs1;
+    std::copy(src, src + D, qbuf + i * D);
+    m[i] = -INFINITY;
+    l[i] = 0.f;
+  }
+  std::fill(o, o + n * D, 0.f);
+  const float* v = a.v + h * a.vs1;
+  for (int64_t j0 = 0; j0 < lim; j0 += SB) {
+    const int64_t nk = std::min(SB, a.Sp - j0);           // a multiple of KB (Sp is)
+    for (int64_t b = 0; b < nk / KB; ++b)
+      by_tiles(n, [&](auto R, int64_t r) { qk<R>(qbuf + r * D, D, kp + (j0 + b * KB) * D, s + r * SB + b * KB, SB); });
+    const bool masked = j0 + nk > full;
+    for (int64_t i = 0; i < n; ++i) {
+      float* si = s + i * SB;
+      const int64_t vis = std::min(a.pos ? a.pos[(r0 + i) / a.G] + 1 : a.S, a.S) - j0;   // visible keys of this block
+      auto keep = [&](int64_t c) -> __mmask16 {
+        const int64_t left = vis - c;
+        return !masked || left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+      };
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      for (int64_t c = 0; c < nk; c += 16) mx = _mm512_mask_max_ps(mx, keep(c), mx, _mm512_loadu_ps(si + c));
+      const float mnew = std::max(m[i], _mm512_reduce_max_ps(mx) * a.scale);   // scale > 0: the max commutes
+      if (mnew == -INFINITY) {                             // nothing visible yet: P = 0
+        std::fill(si, si + nk, 0.f);
+        continue;
+      }
+      const float alpha = m[i] == -INFINITY ? 0.f : exp_fast(m[i] - mnew);
+      const __m512 sc = _mm512_set1_ps(a.scale), off = _mm512_set1_ps(-mnew);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t c = 0; c < nk; c += 16) {
+        const __m512 e = _mm512_maskz_mov_ps(keep(c), exp_fast16(_mm512_fmadd_ps(_mm512_loadu_ps(si + c), sc, off)));
+        sum = _mm512_add_ps(sum, e);
+        _mm512_storeu_ps(si + c, e);
+      }
+      l[i] = l[i] * alpha + _mm512_reduce_add_ps(sum);
+      m[i] = mnew;
+      if (alpha != 1.f) {
+        const __m512 av = _mm512_set1_ps(alpha);
+        for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(o + i * D + c, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + c), av));
+      }
+    }
+    // keys past lim are invisible to every row (P = 0 there) and past S not in V at all
+    const int64_t nv = std::min(nk, lim - j0);
+    for (int64_t c0 = 0; c0 < D; c0 += 64)
+      by_tiles(n, [&](auto R, int64_t r) { pv<R>(s + r * SB, SB, v + j0 * a.vs0 + c0, a.vs0, nv, o + r * D + c0, D); });
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = (r0 + i) / a.G, hq = h * a.G + (r0 + i) % a.G;
+    float* dst = op + (t * Hq + hq) * D;
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    for (int64_t d = 0; d < D; ++d) dst[d] = o[i * D + d] * inv;
+    lsep[t * Hq + hq] = l[i] > 0.f ? m[i] + std::log(l[i]) : -INFINITY;
+  }
+}
+
+static void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
+                   double scale, at::Tensor& o, at::Tensor& lse) {
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), S = k.size(0), Hkv = k.size(1), G = Hq / Hkv;
+  const int64_t Sp = (S + KB - 1) / KB * KB;
+  const Task a{q.data_ptr<float>(), q.stride(0), q.stride(1), v.data_ptr<float>(), v.stride(0), v.stride(1),
+               q_pos.numel() ? q_pos.data_ptr<int64_t>() : nullptr, T, G, D, S, Sp, static_cast<float>(scale)};
+  std::unique_ptr<float[]> kp(new float[Hkv * Sp * D]);    // every element written by the pack
+  const float* kd = k.data_ptr<float>();
+  shared_for(Hkv, [&](auto next) {
+    for (int64_t h = next(); h >= 0; h = next())
+      rf_attn::pack_k(reinterpret_cast<const char*>(kd + h * k.stride(1)), 4 * k.stride(0), S, Sp, D,
+                      reinterpret_cast<uint32_t*>(kp.get() + h * Sp * D));
+  });
+  const int64_t nq = (T * G + QB - 1) / QB, tasks = Hkv * nq;
+  float* op = o.data_ptr<float>();
+  float* lsep = lse.data_ptr<float>();
+  shared_for(tasks, [&](auto next) {
+    std::vector<float> qbuf(QB * D), s(QB * SB), ob(QB * D), m(QB), l(QB);
+    for (int64_t i = next(); i >= 0; i = next()) {
+      const int64_t h = i % Hkv, b = nq - 1 - i / Hkv;     // the dearest causal blocks first (as above)
+      rows_task(a, h, b * QB, kp.get() + h * Sp * D, op, lsep, Hq, qbuf.data(), s.data(), ob.data(), m.data(), l.data());
+    }
+  });
+}
+
+}  // namespace rf_attn32
+#endif
+
 bool attend_takes_bf16() {
 #ifdef RF_BF16_VECTOR
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool attend_takes_fp32() {
+#if defined(__AVX512F__)
   return true;
 #else
   return false;
@@ -300,21 +509,26 @@ void attend_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     double scale, at::Tensor& o, at::Tensor& lse) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(2) == k.size(2) && k.size(1) > 0
               && q.size(1) % k.size(1) == 0, "attend_prefill: shapes");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
-              "attend_prefill: bf16");
+  const auto dt = q.scalar_type();
+  TORCH_CHECK((dt == at::kBFloat16 || dt == at::kFloat) && k.scalar_type() == dt && v.scalar_type() == dt,
+              "attend_prefill: bf16 or fp32, one dtype");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "attend_prefill: rows of the head dim contiguous");
   TORCH_CHECK(q_pos.numel() == 0 || (q_pos.numel() == q.size(0) && q_pos.scalar_type() == at::kLong
               && q_pos.is_contiguous()), "attend_prefill: q_pos");
   TORCH_CHECK(scale > 0, "attend_prefill: a positive scale");
   TORCH_CHECK(o.is_contiguous() && o.scalar_type() == at::kFloat && o.sizes() == q.sizes() && lse.is_contiguous()
               && lse.scalar_type() == at::kFloat && lse.numel() == q.size(0) * q.size(1), "attend_prefill: outputs");
+#if defined(__AVX512F__)
+  if (dt == at::kFloat && q.size(2) % 64 == 0 && q.size(2) <= 256) return rf_attn32::attend(q, k, v, q_pos, scale, o, lse);
+#endif
 #ifdef RF_BF16_VECTOR
-  switch (q.size(2)) {
+  if (dt == at::kBFloat16) switch (q.size(2)) {
     case 64: return rf_attn::attend<4>(q, k, v, q_pos, scale, o, lse);
     case 128: return rf_attn::attend<8>(q, k, v, q_pos, scale, o, lse);
     case 256: return rf_attn::attend<16>(q, k, v, q_pos, scale, o, lse);
     default: break;
   }
 #endif
-  TORCH_CHECK(false, "attend_prefill: head size 64, 128 or 256 on a CPU with AVX512-BF16");
+  TORCH_CHECK(false, "attend_prefill: head size 64, 128 or 256, in bf16 on a CPU with AVX512-BF16 or fp32 on one "
+              "with AVX-512");
 }

@@ -90,6 +90,7 @@ class Engine(RadixExchange):
         self._shared_wait = False
         self.preempted = 0       # sequences sent back to waiting for want of pages (decode_reserve)
         self.steps = 0
+        self.last_compute_s = 0.0   # the last step's model run and postprocessing (the rest of a step: intake, radix)
         self.mixed_steps = 0     # prefill steps that carried decode rows
         self.overlapped = 0      # exchanges that travelled while a step computed
         self.counters = {"prompt_tokens_total": 0, "cached_tokens_total": 0, "prefill_tokens_computed_total": 0,
@@ -273,7 +274,8 @@ class Engine(RadixExchange):
         self.steps += 1
         self.mixed_steps += plan.mixed
         outs += self._postprocess(plan, toks)
-        self.step_seconds["decode" if plan.is_decode else "prefill"].observe(time.perf_counter() - t0)
+        self.last_compute_s = time.perf_counter() - t0
+        self.step_seconds["decode" if plan.is_decode else "prefill"].observe(self.last_compute_s)
         return outs
 
     def _intake(self) -> list[tuple[str, SeqOutput]]:

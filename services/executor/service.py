@@ -180,8 +180,10 @@ class ExecutorService(Actor):
                 self._wake.wait(0.5)
                 continue
             t0 = time.perf_counter()
+            self.engine.last_compute_s = 0.0
             outs = self.engine.step()
-            self.log.debug("step", ms=round((time.perf_counter() - t0) * 1e3, 2), outputs=len(outs),
+            self.log.debug("step", ms=round((time.perf_counter() - t0) * 1e3, 2),
+                           compute_ms=round(self.engine.last_compute_s * 1e3, 2), outputs=len(outs),
                            running=self.engine.num_running, waiting=self.engine.num_waiting)
             if outs:
                 loop.call_soon_threadsafe(self._outbox.put_nowait, outs)

@@ -110,20 +110,23 @@ ATTEND = [(1, 1, None, 2), (5, 7, None, 1), (33, 100, "causal", 2), (70, 130, No
 
 @pytest.mark.parametrize("T,S,mask,G", ATTEND)
 @pytest.mark.parametrize("D", [64, 128, 256])
-def test_attend_by_the_kernel_matches_the_reference(built, T, S, mask, G, D, monkeypatch):
-    """Many query rows over one K/V in bf16 (cpu_prefill.cpp), against the fp32 reference of the same
-    bf16 inputs: within bf16 output rounding, the LSE fp32-close. Keys past a 64-key block's end
-    (S of 1, 7, 100, 130, 200), no mask and causal masks, GQA groups of 1, 2 and 4, q a strided view
-    of a projection's output (as the layer hands it), K/V views of a pool. "blind": rows that see no
-    key at all (position -1: o = 0, lse = -inf, as the reference's all-masked rows are not defined)."""
-    if not cpu_ext.get().attend_takes_bf16():
-        pytest.skip("this CPU has no AVX512-BF16")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attend_by_the_kernel_matches_the_reference(built, T, S, mask, G, D, dtype, monkeypatch):
+    """Many query rows over one K/V (cpu_prefill.cpp), against the fp32 reference of the same inputs:
+    in bf16 within its output rounding, the LSE fp32-close; in fp32 within fp32 rounding. Keys past a
+    64-key block's end (S of 1, 7, 100, 130, 200), no mask and causal masks, GQA groups of 1, 2 and
+    4, q a strided view of a projection's output (as the layer hands it), K/V views of a pool.
+    "blind": rows that see no key at all (position -1: o = 0, lse = -inf, as the reference's
+    all-masked rows are not defined)."""
+    ext = cpu_ext.get()
+    if not (ext.attend_takes_bf16() if dtype == torch.bfloat16 else ext.attend_takes_fp32()):
+        pytest.skip(f"this CPU has no {'AVX512-BF16' if dtype == torch.bfloat16 else 'AVX-512'}")
     gen = torch.Generator().manual_seed(T * S + D)
     Hkv = 2
     Hq = Hkv * G
-    proj = torch.randn(T, Hq * D + 5, generator=gen).bfloat16()
+    proj = torch.randn(T, Hq * D + 5, generator=gen).to(dtype)
     q = proj[:, :Hq * D].view(T, Hq, D)                                  # row stride Hq * D + 5
-    pool = torch.randn(2, S + 20, Hkv, D, generator=gen).bfloat16()
+    pool = torch.randn(2, S + 20, Hkv, D, generator=gen).to(dtype)
     k, v = pool[0, 10:10 + S], pool[1, 10:10 + S]
     q_pos = None if mask is None else torch.arange(S - T, S)
     if mask == "blind":
@@ -135,21 +138,25 @@ def test_attend_by_the_kernel_matches_the_reference(built, T, S, mask, G, D, mon
     seen = slice(3, None) if mask == "blind" else slice(None)
     ro, rlse = attn_cascade._attend_ref(q.float()[seen], k.float(), v.float(), D ** -0.5,
                                         None if q_pos is None else q_pos[seen])
-    torch.testing.assert_close(o[seen], ro, atol=1e-2, rtol=1e-2)
-    torch.testing.assert_close(lse[seen], rlse, atol=1e-3, rtol=1e-3)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(o[seen], ro, **tol)
+    torch.testing.assert_close(lse[seen], rlse, **(tol if dtype == torch.float32 else dict(atol=1e-3, rtol=1e-3)))
     if mask == "blind":
         assert torch.equal(o[:3], torch.zeros_like(o[:3])) and torch.isneginf(lse[:3]).all()
 
 
-def test_prefill_attention_by_the_kernel_matches_the_reference(built, monkeypatch):
-    """extend_attention and cascade_prefill in bf16 through the kernel, against their torch forms:
-    a fresh sequence (square causal), one after a cached prefix, and a group of three sharing a
-    prefix of pages scattered over the pool, with own parts of different lengths."""
-    if not cpu_ext.get().attend_takes_bf16():
-        pytest.skip("this CPU has no AVX512-BF16")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_attention_by_the_kernel_matches_the_reference(built, dtype, monkeypatch):
+    """extend_attention and cascade_prefill through the kernel, against their torch forms: a fresh
+    sequence (square causal), one after a cached prefix, and a group of three sharing a prefix of
+    pages scattered over the pool, with own parts of different lengths."""
+    ext = cpu_ext.get()
+    if not (ext.attend_takes_bf16() if dtype == torch.bfloat16 else ext.attend_takes_fp32()):
+        pytest.skip("this CPU has no AVX-512 form for this dtype")
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     gen = torch.Generator().manual_seed(11)
     Hq, Hkv, D = 4, 2, 64
-    kc, vc = (torch.randn(2000, Hkv, D, generator=gen).bfloat16() for _ in range(2))
+    kc, vc = (torch.randn(2000, Hkv, D, generator=gen).to(dtype) for _ in range(2))
     perm = torch.randperm(2000, generator=gen)
     lens, prefix = [(0, 150), (90, 40)], []
     seq_slots, bounds, at, used = [], [], 0, 0
@@ -159,31 +166,31 @@ def test_prefill_attention_by_the_kernel_matches_the_reference(built, monkeypatc
         bounds.append((at, at + e))
         at += e
         prefix.append(p)
-    q = torch.randn(at, Hq, D, generator=gen).bfloat16()
+    q = torch.randn(at, Hq, D, generator=gen).to(dtype)
     with monkeypatch.context() as m:
         m.setattr(attn_cpu.cascade, "attend_lse", lambda *a, **k: pytest.fail("went to the reference"))
         got = attn_cpu.extend_attention(q, kc, vc, bounds, seq_slots, prefix, D ** -0.5)
     want = attn_naive.extend_attention(q, kc, vc, bounds, seq_slots, prefix, D ** -0.5)
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
     shared = perm[used:used + 300]
     own = [perm[used + 300 + 50 * i:used + 300 + 50 * i + n] for i, n in enumerate([10, 50, 1])]
     seq_slots = [torch.cat([shared, o]) for o in own]
     prefix = [300 + len(o) - e for o, e in zip(own, [4, 50, 1])]
     bounds = [(0, 4), (4, 54), (54, 55)]
-    q = torch.randn(55, Hq, D, generator=gen).bfloat16()
+    q = torch.randn(55, Hq, D, generator=gen).to(dtype)
     groups = [attn_cascade.SharedPrefix(seqs=[0, 1, 2], slots=shared)]
     with monkeypatch.context() as m:
         m.setattr(attn_cpu.cascade, "attend_lse", lambda *a, **k: pytest.fail("went to the reference"))
         got = attn_cpu.cascade_prefill(q, kc, vc, bounds, seq_slots, prefix, groups, D ** -0.5)
     want = attn_naive.extend_attention(q, kc, vc, bounds, seq_slots, prefix, D ** -0.5)
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
 def test_prefill_attention_the_kernel_does_not_take_goes_to_the_reference(built, monkeypatch):
-    """fp32 (and a head size the kernel has no form for) goes to the torch forms whole: a fresh
-    prompt's extension to naive's causal op, which needs no mask, not to per-sequence masked calls."""
+    """A head size the kernel has no form for goes to the torch forms whole: a fresh prompt's
+    extension to naive's causal op, which needs no mask, not to per-sequence masked calls."""
     gen = torch.Generator().manual_seed(4)
-    for dtype, D in ((torch.float32, 64), (torch.bfloat16, 40)):
+    for dtype, D in ((torch.float32, 40), (torch.bfloat16, 40)):
         kc, vc = (torch.randn(300, 2, D, generator=gen).to(dtype) for _ in range(2))
         q = torch.randn(50, 4, D, generator=gen).to(dtype)
         slots = torch.randperm(300, generator=gen)[:50]
