@@ -1,8 +1,8 @@
 """Linear layers by the CPU kernel (cpu_gemm.cpp, built by kernels.cpu_ext), with the signatures of
 reference.py, which serves until the kernel is built and for what it does not take: fp32 on a CPU
 without AVX-512; bf16 on a CPU without AVX512-BF16 or with AMX (where oneDNN's tile kernels are
-faster), or with an odd K; other dtypes. The gate/up form with SiLU in the same pass is bf16's; in
-fp32 the fused elementwise op follows the kernel's product.
+faster), or with an odd K; other dtypes. The MLP's gate/up product takes SiLU-and-multiply in the same
+pass (its [T, 2I] product is never written).
 
 Each weight is packed for the kernel the first time it is used, and the packed copy is kept on the
 weight tensor itself (so it lives and dies with the model, and a weight written in place, whose
@@ -71,6 +71,4 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     ext = _ext(x, weight)
     if ext is None or x.dim() != 2 or weight.shape[0] % 2:
         return reference.linear_silu_mul(x, weight, _ew.silu_mul)
-    if x.dtype != torch.bfloat16:
-        return _ew.silu_mul(_run(ext, x, weight, weight.shape[0], False))
     return _run(ext, x, weight, weight.shape[0] // 2, True)

@@ -1,7 +1,11 @@
 // Linear layers on the CPU: x [M, K] . W^T over weights packed once (the model's weights do not change
 // between steps), fp32 by FMA on a CPU with AVX-512 and bf16 by vdpbf16ps on one with AVX512-BF16 but
-// no AMX; in bf16 also the MLP's gate/up projection with SiLU-and-multiply in the same pass.
+// no AMX; in both the MLP's gate/up projection with SiLU-and-multiply in the same pass.
 // reference.py's kernel form. Both dtypes share the micro-kernel's shape and the task split.
+//
+// fp32's gate/up form (the packed layout's lanes as bf16's below) runs silu_mul_impl<F32>'s arithmetic
+// on the accumulators: the [T, 2I] product is never written and read back (2.3 of 16.4 ms on 3,100
+// rows of tiny-dense's MLP).
 //
 // fp32: MKL ran the model's fp32 products at 55-70% of the FMA peak on an AMD EPYC (Zen 4) and a
 // one-row decode product at 7 GB/s of weights, where the memory gives 25; the kernel is 1.3-1.7x
@@ -49,7 +53,7 @@ constexpr int64_t RB = 96;   // rows per task (16 micro-tiles); a task is RB row
 // fp32: C[R, 64] of block bp ([K, 64] floats) over rows a, one FMA per weight and row; each output
 // sums its K products in order from 0, whatever the row count (a row's result does not depend on the
 // batch it is in, unlike a GEMM library's blocking, so cache on and off compute the same numbers)
-template <int R>
+template <int R, bool SILU>
 static inline void tile_f32(const float* a, int64_t as, const float* bp, int64_t K, float* c, int64_t cs,
                             int64_t cols) {
   __m512 acc[R][4];
@@ -67,33 +71,55 @@ static inline void tile_f32(const float* a, int64_t as, const float* bp, int64_t
       acc[i][3] = _mm512_fmadd_ps(x, b3, acc[i][3]);
     }
   }
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < 4; ++j) {
-      const int64_t left = cols - 16 * j;
-      if (left <= 0) break;
-      const __mmask16 m = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
-      _mm512_mask_storeu_ps(c + i * cs + 16 * j, m, acc[i][j]);
+  if constexpr (SILU) {
+    // SiLU(gate) * up for the block's 32 outputs, in silu_mul_impl<F32>'s own expression (silu():
+    // GCC contracts it into FMAs as it does there, and the result is bit-equal to linear, then silu_mul)
+    alignas(64) float g[32], u[32], o[32];
+    for (int i = 0; i < R; ++i) {
+      for (int j = 0; j < 2; ++j) {
+        _mm512_store_ps(g + 16 * j, acc[i][j]);
+        _mm512_store_ps(u + 16 * j, acc[i][j + 2]);
+      }
+      for (int l = 0; l < 32; ++l) o[l] = silu(g[l]) * u[l];
+      for (int j = 0; j < 2; ++j) {
+        const int64_t left = cols - 16 * j;
+        if (left <= 0) break;
+        const __mmask16 m = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+        _mm512_mask_storeu_ps(c + i * cs + 16 * j, m, _mm512_load_ps(o + 16 * j));
+      }
     }
+  } else {
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < 4; ++j) {
+        const int64_t left = cols - 16 * j;
+        if (left <= 0) break;
+        const __mmask16 m = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+        _mm512_mask_storeu_ps(c + i * cs + 16 * j, m, acc[i][j]);
+      }
+  }
 }
 
+template <bool SILU>
 static void rows_f32(const float* a, int64_t as, const float* bp, int64_t K, float* c, int64_t cs, int64_t n,
                      int64_t cols) {
   int64_t r = 0;
-  for (; r + MR <= n; r += MR) tile_f32<MR>(a + r * as, as, bp, K, c + r * cs, cs, cols);
+  for (; r + MR <= n; r += MR) tile_f32<MR, SILU>(a + r * as, as, bp, K, c + r * cs, cs, cols);
   a += r * as;
   c += r * cs;
   switch (n - r) {
-    case 1: tile_f32<1>(a, as, bp, K, c, cs, cols); break;
-    case 2: tile_f32<2>(a, as, bp, K, c, cs, cols); break;
-    case 3: tile_f32<3>(a, as, bp, K, c, cs, cols); break;
-    case 4: tile_f32<4>(a, as, bp, K, c, cs, cols); break;
-    case 5: tile_f32<5>(a, as, bp, K, c, cs, cols); break;
+    case 1: tile_f32<1, SILU>(a, as, bp, K, c, cs, cols); break;
+    case 2: tile_f32<2, SILU>(a, as, bp, K, c, cs, cols); break;
+    case 3: tile_f32<3, SILU>(a, as, bp, K, c, cs, cols); break;
+    case 4: tile_f32<4, SILU>(a, as, bp, K, c, cs, cols); break;
+    case 5: tile_f32<5, SILU>(a, as, bp, K, c, cs, cols); break;
     default: break;
   }
 }
 
+template <bool SILU>
 static void linear_f32(const at::Tensor& x, const at::Tensor& wp, int64_t n_out, at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), nb = wp.size(0);
+  const int64_t per = SILU ? NB / 2 : NB;        // outputs per block
   const float* a = x.data_ptr<float>();
   const float* bp = wp.data_ptr<float>();
   float* c = out.data_ptr<float>();
@@ -101,8 +127,8 @@ static void linear_f32(const at::Tensor& x, const at::Tensor& wp, int64_t n_out,
   shared_for(nr * nb, [&](auto next) {
     for (int64_t t = next(); t >= 0; t = next()) {
       const int64_t r = t / nb, b = t % nb;
-      rows_f32(a + r * RB * as, as, bp + b * K * NB, K, c + r * RB * cs + b * NB, cs, std::min(RB, M - r * RB),
-               std::min(NB, n_out - b * NB));
+      rows_f32<SILU>(a + r * RB * as, as, bp + b * K * NB, K, c + r * RB * cs + b * per, cs, std::min(RB, M - r * RB),
+                     std::min(per, n_out - b * per));
     }
   });
 }
@@ -219,14 +245,19 @@ bool linear_takes_fp32() {
 
 at::Tensor linear_pack(const at::Tensor& w, int64_t halves) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "linear_pack: a contiguous [N, K] weight");
-  if (w.scalar_type() == at::kFloat) {        // [ceil(N / 64), K, 64] floats, zero past N
-    TORCH_CHECK(halves == 0, "linear_pack: the gate/up form is bf16 only");
-    const int64_t N = w.size(0), K = w.size(1), nb = (N + 63) / 64;
+  if (w.scalar_type() == at::kFloat) {        // [nb, K, 64] floats, zero past N; lanes as bf16's below
+    const int64_t N = w.size(0), K = w.size(1);
+    TORCH_CHECK(halves == 0 || N == 2 * halves, "linear_pack: halves is half the rows");
+    const int64_t nb = halves ? (halves + 31) / 32 : (N + 63) / 64;
     at::Tensor out = at::zeros({nb, K, 64}, at::kFloat);
     const float* src = w.data_ptr<float>();
     float* dst = out.data_ptr<float>();
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t k = 0; k < K; ++k) dst[((n / 64) * K + k) * 64 + n % 64] = src[n * K + k];
+    for (int64_t n = 0; n < N; ++n) {
+      const bool up = halves && n >= halves;
+      const int64_t i = up ? n - halves : n;
+      const int64_t b = halves ? i / 32 : n / 64, j = halves ? i % 32 + (up ? 32 : 0) : n % 64;
+      for (int64_t k = 0; k < K; ++k) dst[(b * K + k) * 64 + j] = src[n * K + k];
+    }
     return out;
   }
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0,
@@ -254,17 +285,18 @@ at::Tensor linear_pack(const at::Tensor& w, int64_t halves) {
   return out;
 }
 
-// out [M, n_out] = x [M, K] . W^T in x's dtype (silu, bf16 only: SiLU(gate) * up, n_out = I) over
+// out [M, n_out] = x [M, K] . W^T in x's dtype (silu: SiLU(gate) * up, n_out = I) over
 // linear_pack's wp
 void linear_packed(const at::Tensor& x, const at::Tensor& wp, int64_t n_out, bool silu, at::Tensor& out) {
   if (x.scalar_type() == at::kFloat) {
-    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && !silu, "linear_packed: fp32 rows [M, K], each row contiguous");
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear_packed: fp32 rows [M, K], each row contiguous");
     TORCH_CHECK(wp.dim() == 3 && wp.scalar_type() == at::kFloat && wp.is_contiguous() && wp.size(1) == x.size(1)
-                && wp.size(2) == 64 && wp.size(0) * 64 >= n_out, "linear_packed: a packed fp32 weight for K");
+                && wp.size(2) == 64 && wp.size(0) * (silu ? 32 : 64) >= n_out, "linear_packed: a packed fp32 weight for K");
     TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.size(0) == x.size(0) && out.size(1) == n_out
                 && out.stride(1) == 1, "linear_packed: out [M, n_out] fp32");
 #if defined(__AVX512F__)
-    return rf_gemm::linear_f32(x, wp, n_out, out);
+    if (silu) return rf_gemm::linear_f32<true>(x, wp, n_out, out);
+    return rf_gemm::linear_f32<false>(x, wp, n_out, out);
 #else
     TORCH_CHECK(false, "linear_packed: fp32 on a CPU with AVX-512");
 #endif

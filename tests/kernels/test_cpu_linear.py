@@ -19,9 +19,10 @@ def test_linear_by_the_kernel_matches_the_reference(built, M, K, N, dtype, monke
     wider activation (as a layer's split hands it): against the product in fp64 within the dtype's
     rounding of the result, and against torch's matmul within one bf16 step (fp32: a few ulps);
     row counts around the 6-row micro-tile and the 96-row task, output widths past a 64-wide block's
-    end. bf16's gate/up form is bit-equal to linear, then silu_mul (it rounds g and u where they
-    would be rounded); fp32's is that, by definition. A row's result does not depend on the rows
-    beside it (fp32: bit-equal alone and in the batch)."""
+    end. The gate/up form (SiLU-and-multiply in the product's pass) is bit-equal to linear, then
+    silu_mul: bf16's rounds g and u where they would be rounded, fp32's runs silu_mul's expression on
+    the accumulators. A row's result does not depend on the rows beside it (fp32: bit-equal alone and
+    in the batch)."""
     from radixflow.kernels.linear import cpu as lin_cpu
     from radixflow.kernels.linear import reference as lin_ref
     ext = cpu_ext.get()
