@@ -2,10 +2,33 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 from radixflow.shared.natsd import NatsServer
+
+# The project's root holds the radixflow package's folders (kernels/, shared/, services/) and is on
+# sys.path in a test run (`python -m pytest` puts the working directory there, pytest the tests
+# package's rootdir, again before each test module). There `kernels/` shadowed Hugging Face's
+# `kernels` package, which transformers 5.25 installs and imports with its models (CI: "cannot
+# import name 'CUDAProperties' from 'kernels'"). So that one is imported first, from the installed
+# packages, and later imports of the name find it in sys.modules.
+def _import_installed(name: str) -> None:
+    import importlib
+    import importlib.util
+    root = Path(__file__).resolve().parent.parent
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != root]
+    try:
+        if importlib.util.find_spec(name) is not None:
+            importlib.import_module(name)
+    finally:
+        sys.path[:] = saved
+
+
+_import_installed("kernels")
 
 os.environ.setdefault("RADIXFLOW_LOG_LEVEL", "warning")
 # without a GPU the Triton kernels run in Triton's interpreter (numpy), so their parity tests run
