@@ -85,7 +85,7 @@ def _load():
              "void decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, "
              "const at::Tensor& table, const at::Tensor& lens, double scale, at::Tensor& o, at::Tensor& lse);\n"
              "void attend_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, "
-             "const at::Tensor& q_pos, double scale, at::Tensor& o, at::Tensor& lse);\n"
+             "const at::Tensor& q_pos, const at::Tensor& slots, double scale, at::Tensor& o, at::Tensor& lse);\n"
              "bool attend_takes_bf16();\n"
              "bool attend_takes_fp32();\n"
              "void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out);\n"

@@ -21,7 +21,7 @@ import torch
 
 from ..packing import gather_rows
 
-__all__ = ["SharedPrefix", "attend_lse", "merge", "cascade_prefill", "cascade_decode", "own_decode", "with_shared"]
+__all__ = ["SharedPrefix", "attend_lse", "attend_shared", "merge", "cascade_prefill", "cascade_decode", "own_decode", "with_shared"]
 
 PADDED_LIMIT = 1 << 21   # query x key pairs up to which short own parts share one padded batch
 LONG_OWN = 256           # decode: an own part longer than this and than twice the median is read alone
@@ -85,6 +85,13 @@ def attend_lse(q, k, v, scale: float, q_pos: torch.Tensor | None = None) -> tupl
     return _attend_ref(q, k, v, scale, q_pos)
 
 
+def attend_shared(q, k_cache, v_cache, g: SharedPrefix, scale: float, attend=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group's rows (q) over its shared prefix (no mask: they all follow it): o fp32 and lse, as
+    attend_lse. `attend`: attend_lse's signature; kernels/attention/cpu.py has a form that reads the
+    prefix where it lies in the pool."""
+    return (attend or attend_lse)(q, *g.kv(k_cache, v_cache), scale)
+
+
 def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
     """Exact combination of attention over two disjoint key sets. o: [T, H, D], lse: [T, H]."""
     m = torch.maximum(lse1, lse2)
@@ -93,17 +100,19 @@ def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Te
 
 
 def cascade_prefill(q, k_cache, v_cache, bounds: list[tuple[int, int]], seq_slots: list[torch.Tensor],
-                    prefix_lens: list[int], groups: list[SharedPrefix], scale: float, attend=None) -> torch.Tensor:
+                    prefix_lens: list[int], groups: list[SharedPrefix], scale: float, attend=None,
+                    shared=None) -> torch.Tensor:
     """Prefill of several sequences (packed q [T, Hq, D]); a group's shared prefix lies within every
     member's cached prefix, so all of the member's new tokens see all of it. `attend`: attend_lse's
-    signature (kernels/attention/cpu.py passes its kernel form)."""
+    signature, `shared`: attend_shared's (kernels/attention/cpu.py passes its kernel forms)."""
     attend = attend or attend_lse
+    shared = shared or (lambda q, k_cache, v_cache, g, scale: attend_shared(q, k_cache, v_cache, g, scale, attend))
     dev = q.device
     out = torch.empty(q.shape, dtype=torch.float32, device=dev)
     grouped, starts, sh_o, sh_lse = [], {}, [], []
     for g in groups:
         rows = torch.cat([torch.arange(*bounds[i], device=dev) for i in g.seqs])
-        o, lse = attend(q[rows], *g.kv(k_cache, v_cache), scale)
+        o, lse = shared(q[rows], k_cache, v_cache, g, scale)
         sh_o.append(o)
         sh_lse.append(lse)
         grouped += g.seqs
@@ -220,12 +229,12 @@ def own_decode(q, k_cache, v_cache, own_table: torch.Tensor, own_lens: torch.Ten
 
 
 def with_shared(q, k_cache, v_cache, groups: list[SharedPrefix], scale: float, o: torch.Tensor,
-                lse: torch.Tensor, attend=None) -> torch.Tensor:
+                lse: torch.Tensor, shared=None) -> torch.Tensor:
     """Merge each group's shared prefix (read once for the group) into its rows' own-part attention
-    (o, lse: own_decode's); the result in q's dtype. `attend` as in cascade_prefill."""
-    attend = attend or attend_lse
+    (o, lse: own_decode's); the result in q's dtype. `shared` as in cascade_prefill."""
+    shared = shared or attend_shared
     for g in groups:
         rows = torch.tensor(g.seqs, device=q.device)
-        o_s, lse_s = attend(q[rows], *g.kv(k_cache, v_cache), scale)
+        o_s, lse_s = shared(q[rows], k_cache, v_cache, g, scale)
         o[rows] = merge(o[rows], lse[rows], o_s, lse_s)
     return o.to(q.dtype)

@@ -9,6 +9,9 @@
 //
 // q: [T, Hq, D] bf16 (any strides but the last);  k, v: [S, Hkv, D] bf16 (the same)
 // q_pos: [T] int64 (key j visible to query t iff j <= q_pos[t]) or empty (every key visible)
+// slots: [S] int64: key j is row slots[j] of k and v (a shared prefix read where it lies in the pool,
+// not gathered: a decode step's gather of a 3,000-token prefix was 15% of the step), or empty: key j
+// is row j
 // o: [T, Hq, D] fp32 contiguous, written;  lse: [T, Hq] fp32 contiguous, written: the natural log of
 // the softmax's denominator (cascade's merge), -inf with o = 0 for a row that sees no key.
 // Numerics as torch's op on bf16 inputs: q.k accumulated in fp32, the exponentials summed in fp32
@@ -29,6 +32,9 @@
 namespace rf_attn {
 
 constexpr int64_t kKeyBlock = 64;   // keys per packed K block: the QK micro-kernels' 4 vectors of 16
+
+// the K/V row of key j: slots[j], or j where there are no slots
+static inline int64_t row_of(const int64_t* slots, int64_t j) { return slots ? slots[j] : j; }
 
 // a 16 x 16 block of 32-bit values transposed in registers: r[c] becomes what was column c
 static inline void transpose16(__m512i r[16]) {
@@ -55,17 +61,18 @@ static inline void transpose16(__m512i r[16]) {
 }
 
 // K of one kv head as 32-bit words (bf16 pairs along the head dim, or fp32 values), 64 keys side by
-// side: out[(b * W + w) * 64 + j] = word w of key 64b + j's row (W words a row); keys past S are zero.
+// side: out[(b * W + w) * 64 + j] = word w of key 64b + j's row (W words a row; key j's row is
+// row_of(slots, j)); keys past S are zero.
 // By 16 x 16 register transposes: a decode step's shared prefix is packed anew for its few query
 // rows, and the scalar form took as long as the products (0.3 ms of 0.8 for 40 rows over 3,100 keys)
-static void pack_k(const char* k, int64_t row_bytes, int64_t S, int64_t Sp, int64_t W, uint32_t* out) {
-  const int64_t DP = W;
+static void pack_k(const char* k, int64_t row_bytes, const int64_t* slots, int64_t S, int64_t Sp, int64_t W,
+                   uint32_t* out) {
   __m512i r[16];
   for (int64_t j0 = 0; j0 < Sp; j0 += 16) {
-    uint32_t* blk = out + (j0 / kKeyBlock) * DP * kKeyBlock + j0 % kKeyBlock;
-    for (int64_t c0 = 0; c0 < DP; c0 += 16) {
+    uint32_t* blk = out + (j0 / kKeyBlock) * W * kKeyBlock + j0 % kKeyBlock;
+    for (int64_t c0 = 0; c0 < W; c0 += 16) {
       for (int i = 0; i < 16; ++i)
-        r[i] = j0 + i < S ? _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(k + (j0 + i) * row_bytes) + c0)
+        r[i] = j0 + i < S ? _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(k + row_of(slots, j0 + i) * row_bytes) + c0)
                           : _mm512_setzero_si512();
       transpose16(r);
       for (int c = 0; c < 16; ++c) _mm512_storeu_si512(blk + (c0 + c) * kKeyBlock, r[c]);
@@ -83,15 +90,17 @@ constexpr int64_t KB = kKeyBlock;
 constexpr int64_t QB = 32;   // query rows per task (rows are (token, query head) pairs of one kv head)
 constexpr int64_t SB = 128;  // keys per softmax block: scores [QB, SB] fp32 and P [QB, SB] bf16 stay in L1
 
-// V of one kv head as bf16 pairs along the keys: out[jp * D + d] = (v[2jp, d], v[2jp + 1, d])
-static void pack_v(const uint16_t* v, int64_t vs, int64_t S, int64_t Sp, int64_t D, uint32_t* out) {
+// V of one kv head as bf16 pairs along the keys: out[jp * D + d] = (v[2jp, d], v[2jp + 1, d]) (rows
+// by row_of)
+static void pack_v(const uint16_t* v, int64_t vs, const int64_t* slots, int64_t S, int64_t Sp, int64_t D,
+                   uint32_t* out) {
   const __m256i zero = _mm256_setzero_si256();
   for (int64_t jp = 0; jp < Sp / 2; ++jp) {
     const int64_t a = 2 * jp, b = 2 * jp + 1;
     uint32_t* dst = out + jp * D;
     for (int64_t d = 0; d < D; d += 16) {
-      const __m256i lo = a < S ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + a * vs + d)) : zero;
-      const __m256i hi = b < S ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + b * vs + d)) : zero;
+      const __m256i lo = a < S ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + row_of(slots, a) * vs + d)) : zero;
+      const __m256i hi = b < S ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + row_of(slots, b) * vs + d)) : zero;
       _mm512_storeu_si512(dst + d, _mm512_or_si512(_mm512_cvtepu16_epi32(lo),
                                                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)));
     }
@@ -261,8 +270,8 @@ static void rows_task(const Task& a, int64_t h, int64_t r0, const uint32_t* kp, 
 
 template <int DV>
 static void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
-                   double scale, at::Tensor& o, at::Tensor& lse) {
-  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), S = k.size(0), Hkv = k.size(1), G = Hq / Hkv;
+                   const int64_t* slots, int64_t S, double scale, at::Tensor& o, at::Tensor& lse) {
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1), G = Hq / Hkv;
   const int64_t Sp = (S + KB - 1) / KB * KB;
   const Task a{reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0), q.stride(1),
                q_pos.numel() ? q_pos.data_ptr<int64_t>() : nullptr, T, G, D, S, Sp, static_cast<float>(scale)};
@@ -273,9 +282,9 @@ static void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   shared_for(2 * Hkv, [&](auto next) {
     for (int64_t i = next(); i >= 0; i = next()) {
       const int64_t h = i / 2;
-      if (i % 2 == 0) pack_k(reinterpret_cast<const char*>(kd + h * k.stride(1)), 2 * k.stride(0), S, Sp, D / 2,
-                             kp.get() + h * Sp * D / 2);
-      else pack_v(vd + h * v.stride(1), v.stride(0), S, Sp, D, vp.get() + h * Sp * D / 2);
+      if (i % 2 == 0) pack_k(reinterpret_cast<const char*>(kd + h * k.stride(1)), 2 * k.stride(0), slots, S, Sp,
+                             D / 2, kp.get() + h * Sp * D / 2);
+      else pack_v(vd + h * v.stride(1), v.stride(0), slots, S, Sp, D, vp.get() + h * Sp * D / 2);
     }
   });
   const int64_t nq = (T * G + QB - 1) / QB, tasks = Hkv * nq;
@@ -341,14 +350,16 @@ static inline void qk(const float* q, int64_t D, const float* kb, float* s, int6
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * ss + 16 * c, acc[r][c]);
 }
 
-// o[r, 0:64] += P[r, 0:n] V[0:n, 0:64] for R rows (P rows of stride ps; V rows of stride vs, in place)
+// o[r, 0:64] += P[r, 0:n] V[0:n, 0:64] for R rows (P rows of stride ps; V in place, key j's row at
+// v + row_of(slots, j) * vs)
 template <int R>
-static inline void pv(const float* P, int64_t ps, const float* v, int64_t vs, int64_t n, float* o, int64_t os) {
+static inline void pv(const float* P, int64_t ps, const float* v, int64_t vs, const int64_t* slots, int64_t n,
+                      float* o, int64_t os) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_loadu_ps(o + r * os + 16 * c);
   for (int64_t j = 0; j < n; ++j) {
-    const float* vr = v + j * vs;
+    const float* vr = v + rf_attn::row_of(slots, j) * vs;
     const __m512 v0 = pinned(_mm512_loadu_ps(vr)), v1 = pinned(_mm512_loadu_ps(vr + 16)),
                  v2 = pinned(_mm512_loadu_ps(vr + 32)), v3 = pinned(_mm512_loadu_ps(vr + 48));
     for (int r = 0; r < R; ++r) {
@@ -383,6 +394,7 @@ struct Task {
   int64_t qs0, qs1;
   const float* v;       // V of kv head 0 (a head's rows: + h * vs1, stride vs0)
   int64_t vs0, vs1;
+  const int64_t* slots; // key j is row slots[j] of K and V (nullptr: row j)
   const int64_t* pos;   // nullptr: no mask
   int64_t T, G, D, S, Sp;
   float scale;
@@ -450,7 +462,10 @@ static void rows_task(const Task& a, int64_t h, int64_t r0, const float* kp, flo
     // keys past lim are invisible to every row (P = 0 there) and past S not in V at all
     const int64_t nv = std::min(nk, lim - j0);
     for (int64_t c0 = 0; c0 < D; c0 += 64)
-      by_tiles(n, [&](auto R, int64_t r) { pv<R>(s + r * SB, SB, v + j0 * a.vs0 + c0, a.vs0, nv, o + r * D + c0, D); });
+      by_tiles(n, [&](auto R, int64_t r) {
+        pv<R>(s + r * SB, SB, a.slots ? v + c0 : v + j0 * a.vs0 + c0, a.vs0, a.slots ? a.slots + j0 : nullptr, nv,
+              o + r * D + c0, D);
+      });
   }
   for (int64_t i = 0; i < n; ++i) {
     const int64_t t = (r0 + i) / a.G, hq = h * a.G + (r0 + i) % a.G;
@@ -462,16 +477,16 @@ static void rows_task(const Task& a, int64_t h, int64_t r0, const float* kp, flo
 }
 
 static void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
-                   double scale, at::Tensor& o, at::Tensor& lse) {
-  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), S = k.size(0), Hkv = k.size(1), G = Hq / Hkv;
+                   const int64_t* slots, int64_t S, double scale, at::Tensor& o, at::Tensor& lse) {
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1), G = Hq / Hkv;
   const int64_t Sp = (S + KB - 1) / KB * KB;
-  const Task a{q.data_ptr<float>(), q.stride(0), q.stride(1), v.data_ptr<float>(), v.stride(0), v.stride(1),
+  const Task a{q.data_ptr<float>(), q.stride(0), q.stride(1), v.data_ptr<float>(), v.stride(0), v.stride(1), slots,
                q_pos.numel() ? q_pos.data_ptr<int64_t>() : nullptr, T, G, D, S, Sp, static_cast<float>(scale)};
   std::unique_ptr<float[]> kp(new float[Hkv * Sp * D]);    // every element written by the pack
   const float* kd = k.data_ptr<float>();
   shared_for(Hkv, [&](auto next) {
     for (int64_t h = next(); h >= 0; h = next())
-      rf_attn::pack_k(reinterpret_cast<const char*>(kd + h * k.stride(1)), 4 * k.stride(0), S, Sp, D,
+      rf_attn::pack_k(reinterpret_cast<const char*>(kd + h * k.stride(1)), 4 * k.stride(0), slots, S, Sp, D,
                       reinterpret_cast<uint32_t*>(kp.get() + h * Sp * D));
   });
   const int64_t nq = (T * G + QB - 1) / QB, tasks = Hkv * nq;
@@ -506,7 +521,7 @@ bool attend_takes_fp32() {
 }
 
 void attend_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
-                    double scale, at::Tensor& o, at::Tensor& lse) {
+                    const at::Tensor& slots, double scale, at::Tensor& o, at::Tensor& lse) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(2) == k.size(2) && k.size(1) > 0
               && q.size(1) % k.size(1) == 0, "attend_prefill: shapes");
   const auto dt = q.scalar_type();
@@ -516,16 +531,23 @@ void attend_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   TORCH_CHECK(q_pos.numel() == 0 || (q_pos.numel() == q.size(0) && q_pos.scalar_type() == at::kLong
               && q_pos.is_contiguous()), "attend_prefill: q_pos");
   TORCH_CHECK(scale > 0, "attend_prefill: a positive scale");
+  TORCH_CHECK(slots.numel() == 0 || (slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous()),
+              "attend_prefill: slots [S] int64");
+  const int64_t* sp = slots.numel() ? slots.data_ptr<int64_t>() : nullptr;
+  const int64_t S = sp ? slots.numel() : k.size(0);
+  for (int64_t j = 0; sp && j < S; ++j)
+    TORCH_CHECK(0 <= sp[j] && sp[j] < k.size(0), "attend_prefill: slot ", sp[j], " outside K/V's ", k.size(0), " rows");
   TORCH_CHECK(o.is_contiguous() && o.scalar_type() == at::kFloat && o.sizes() == q.sizes() && lse.is_contiguous()
               && lse.scalar_type() == at::kFloat && lse.numel() == q.size(0) * q.size(1), "attend_prefill: outputs");
 #if defined(__AVX512F__)
-  if (dt == at::kFloat && q.size(2) % 64 == 0 && q.size(2) <= 256) return rf_attn32::attend(q, k, v, q_pos, scale, o, lse);
+  if (dt == at::kFloat && q.size(2) % 64 == 0 && q.size(2) <= 256)
+    return rf_attn32::attend(q, k, v, q_pos, sp, S, scale, o, lse);
 #endif
 #ifdef RF_BF16_VECTOR
   if (dt == at::kBFloat16) switch (q.size(2)) {
-    case 64: return rf_attn::attend<4>(q, k, v, q_pos, scale, o, lse);
-    case 128: return rf_attn::attend<8>(q, k, v, q_pos, scale, o, lse);
-    case 256: return rf_attn::attend<16>(q, k, v, q_pos, scale, o, lse);
+    case 64: return rf_attn::attend<4>(q, k, v, q_pos, sp, S, scale, o, lse);
+    case 128: return rf_attn::attend<8>(q, k, v, q_pos, sp, S, scale, o, lse);
+    case 256: return rf_attn::attend<16>(q, k, v, q_pos, sp, S, scale, o, lse);
     default: break;
   }
 #endif

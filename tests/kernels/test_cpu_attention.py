@@ -186,6 +186,35 @@ def test_prefill_attention_by_the_kernel_matches_the_reference(built, dtype, mon
     torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_shared_prefix_is_read_where_it_lies_in_the_pool(built, dtype, monkeypatch):
+    """A group's prefix scattered over the pool (no contiguous run: start -1) is read by the kernel
+    through its slots, never gathered (SharedPrefix.kv), in cascade prefill and decode alike; the
+    result is the gathered prefix's, and a slot outside the pool is a clear error."""
+    ext = cpu_ext.get()
+    if not (ext.attend_takes_bf16() if dtype == torch.bfloat16 else ext.attend_takes_fp32()):
+        pytest.skip("this CPU has no AVX-512 form for this dtype")
+    gen = torch.Generator().manual_seed(21)
+    Hq, Hkv, D = 4, 2, 64
+    kc, vc = (torch.randn(3000, Hkv, D, generator=gen).to(dtype) for _ in range(2))
+    slots = torch.randperm(3000, generator=gen)[:700]
+    g = attn_cascade.SharedPrefix(seqs=list(range(50)), slots=slots)
+    q = torch.randn(50, Hq, D, generator=gen).to(dtype)
+    with monkeypatch.context() as m:
+        m.setattr(attn_cascade.SharedPrefix, "kv", lambda *a: pytest.fail("gathered"))
+        o, lse = attn_cpu.attend_shared(q, kc, vc, g, D ** -0.5)
+        own = torch.zeros(50, 1, dtype=torch.int64)
+        dec = attn_cpu.cascade_decode(q, kc, vc, own, torch.zeros(50, dtype=torch.int64), [g], D ** -0.5)
+    ro, rlse = attn_cascade._attend_ref(q.float(), kc[slots].float(), vc[slots].float(), D ** -0.5, None)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(o, ro, **tol)
+    torch.testing.assert_close(lse, rlse, **(tol if dtype == torch.float32 else dict(atol=1e-3, rtol=1e-3)))
+    torch.testing.assert_close(dec.float(), ro, **(tol if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
+    bad = attn_cascade.SharedPrefix(seqs=[0], slots=torch.tensor([5, 3000]))
+    with pytest.raises(RuntimeError, match="outside"):
+        attn_cpu.attend_shared(q[:1], kc, vc, bad, D ** -0.5)
+
+
 def test_prefill_attention_the_kernel_does_not_take_goes_to_the_reference(built, monkeypatch):
     """A head size the kernel has no form for goes to the torch forms whole: a fresh prompt's
     extension to naive's causal op, which needs no mask, not to per-sequence masked calls."""
