@@ -21,7 +21,7 @@ import torch
 
 from ..packing import gather_rows
 
-__all__ = ["SharedPrefix", "attend_lse", "attend_shared", "merge", "cascade_prefill", "cascade_decode", "own_decode", "with_shared"]
+__all__ = ["SharedPrefix", "attend_lse", "attend_at", "merge", "cascade_prefill", "cascade_decode", "own_decode", "with_shared"]
 
 PADDED_LIMIT = 1 << 21   # query x key pairs up to which short own parts share one padded batch
 LONG_OWN = 256           # decode: an own part longer than this and than twice the median is read alone
@@ -85,11 +85,19 @@ def attend_lse(q, k, v, scale: float, q_pos: torch.Tensor | None = None) -> tupl
     return _attend_ref(q, k, v, scale, q_pos)
 
 
-def attend_shared(q, k_cache, v_cache, g: SharedPrefix, scale: float, attend=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A group's rows (q) over its shared prefix (no mask: they all follow it): o fp32 and lse, as
-    attend_lse. `attend`: attend_lse's signature; kernels/attention/cpu.py has a form that reads the
-    prefix where it lies in the pool."""
-    return (attend or attend_lse)(q, *g.kv(k_cache, v_cache), scale)
+def attend_at(q, k_cache, v_cache, slots: torch.Tensor, scale: float, q_pos: torch.Tensor | None = None,
+              attend=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """attend_lse over the keys at `slots` of the pool, gathered first. kernels/attention/cpu.py has a
+    form with this signature that reads them where they lie."""
+    return (attend or attend_lse)(q, gather_rows(k_cache, slots), gather_rows(v_cache, slots), scale, q_pos)
+
+
+def _shared(q, k_cache, v_cache, g: SharedPrefix, scale: float, attend, attend_at_) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group's rows over its shared prefix (no mask: they all follow it): a view where the prefix is
+    contiguous in the pool, else read at its slots."""
+    if g.start >= 0:
+        return attend(q, *g.kv(k_cache, v_cache), scale)
+    return attend_at_(q, k_cache, v_cache, g.slots, scale)
 
 
 def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
@@ -101,18 +109,20 @@ def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Te
 
 def cascade_prefill(q, k_cache, v_cache, bounds: list[tuple[int, int]], seq_slots: list[torch.Tensor],
                     prefix_lens: list[int], groups: list[SharedPrefix], scale: float, attend=None,
-                    shared=None) -> torch.Tensor:
+                    attend_in_place=None) -> torch.Tensor:
     """Prefill of several sequences (packed q [T, Hq, D]); a group's shared prefix lies within every
     member's cached prefix, so all of the member's new tokens see all of it. `attend`: attend_lse's
-    signature, `shared`: attend_shared's (kernels/attention/cpu.py passes its kernel forms)."""
+    signature; `attend_in_place`: attend_at's, a form that reads keys where they lie in the pool
+    (kernels/attention/cpu.py passes its kernel forms): with it a scattered shared prefix and a
+    sequence alone are read in place, not gathered."""
     attend = attend or attend_lse
-    shared = shared or (lambda q, k_cache, v_cache, g, scale: attend_shared(q, k_cache, v_cache, g, scale, attend))
+    at = attend_in_place or (lambda q, kc, vc, slots, scale, q_pos=None: attend_at(q, kc, vc, slots, scale, q_pos, attend))
     dev = q.device
     out = torch.empty(q.shape, dtype=torch.float32, device=dev)
     grouped, starts, sh_o, sh_lse = [], {}, [], []
     for g in groups:
         rows = torch.cat([torch.arange(*bounds[i], device=dev) for i in g.seqs])
-        o, lse = shared(q[rows], k_cache, v_cache, g, scale)
+        o, lse = _shared(q[rows], k_cache, v_cache, g, scale, attend, at)
         sh_o.append(o)
         sh_lse.append(lse)
         grouped += g.seqs
@@ -125,13 +135,14 @@ def cascade_prefill(q, k_cache, v_cache, bounds: list[tuple[int, int]], seq_slot
         q_off = [prefix_lens[i] - starts[i] for i in grouped]
         rows = torch.cat([torch.arange(*bounds[i], device=dev) for i in grouped])
         E, L = max(len(x) for x in own_q), max(len(x) for x in own_k)
+        # (one sequence at a time, even by the kernel in place, was no faster: 81-85 against 78-80 ms
+        # for 39 x 100 tokens in fp32, in bf16 46 against 52)
         if len(grouped) * E * L <= PADDED_LIMIT:
             o, lse = _attend_padded(own_q, own_k, q_off, k_cache, v_cache, scale)
             flat = torch.cat([torch.arange(len(x), device=dev) + j * E for j, x in enumerate(own_q)])
             o, lse = o.flatten(0, 1)[flat], lse.flatten(0, 1)[flat]
         else:
-            parts = [attend(x, gather_rows(k_cache, k), gather_rows(v_cache, k), scale,
-                                torch.arange(off, off + len(x), device=dev))
+            parts = [at(x, k_cache, v_cache, k, scale, torch.arange(off, off + len(x), device=dev))
                      for x, k, off in zip(own_q, own_k, q_off)]
             o, lse = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         out[rows] = merge(o, lse, torch.cat(sh_o), torch.cat(sh_lse))
@@ -140,8 +151,7 @@ def cascade_prefill(q, k_cache, v_cache, bounds: list[tuple[int, int]], seq_slot
         if i in alone:
             continue
         q_pos = torch.arange(prefix_lens[i], prefix_lens[i] + e - s, device=dev)
-        k, v = gather_rows(k_cache, seq_slots[i]), gather_rows(v_cache, seq_slots[i])
-        out[s:e] = attend(q[s:e], k, v, scale, q_pos)[0]
+        out[s:e] = at(q[s:e], k_cache, v_cache, seq_slots[i], scale, q_pos)[0]
     return out.to(q.dtype)
 
 
@@ -229,12 +239,13 @@ def own_decode(q, k_cache, v_cache, own_table: torch.Tensor, own_lens: torch.Ten
 
 
 def with_shared(q, k_cache, v_cache, groups: list[SharedPrefix], scale: float, o: torch.Tensor,
-                lse: torch.Tensor, shared=None) -> torch.Tensor:
+                lse: torch.Tensor, attend=None, attend_in_place=None) -> torch.Tensor:
     """Merge each group's shared prefix (read once for the group) into its rows' own-part attention
-    (o, lse: own_decode's); the result in q's dtype. `shared` as in cascade_prefill."""
-    shared = shared or attend_shared
+    (o, lse: own_decode's); the result in q's dtype. `attend`, `attend_in_place` as in cascade_prefill."""
+    attend = attend or attend_lse
+    at = attend_in_place or (lambda q, kc, vc, slots, scale, q_pos=None: attend_at(q, kc, vc, slots, scale, q_pos, attend))
     for g in groups:
         rows = torch.tensor(g.seqs, device=q.device)
-        o_s, lse_s = shared(q[rows], k_cache, v_cache, g, scale)
+        o_s, lse_s = _shared(q[rows], k_cache, v_cache, g, scale, attend, at)
         o[rows] = merge(o[rows], lse[rows], o_s, lse_s)
     return o.to(q.dtype)

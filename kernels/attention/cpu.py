@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from .. import cpu_ext
-from ..packing import gather_rows
 from . import cascade, naive
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -57,14 +56,15 @@ def attend_lse(q, k, v, scale: float, q_pos: torch.Tensor | None = None) -> tupl
     return _attend(ext, q, k, v, scale, q_pos, _NO_SLOTS)
 
 
-def attend_shared(q, k_cache, v_cache, g: cascade.SharedPrefix, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cascade.attend_shared: a group's prefix read by the kernel where it lies in the pool (its
-    slots), not gathered first (in an agent's decode step the gather of a 3,000-token prefix that
-    is not contiguous in the pool was ~2 ms of a 14 ms step)."""
+def attend_at(q, k_cache, v_cache, slots: torch.Tensor, scale: float,
+              q_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cascade.attend_at: the keys read by the kernel where they lie in the pool, not gathered first
+    (in an agent's 40-row decode step the gather of its 3,000-token prefix, not contiguous in the
+    pool, was ~2 of 14.7 ms)."""
     ext = _attend_ext(q, k_cache)
-    if ext is None or v_cache.dtype != q.dtype or g.start >= 0 or len(g.slots) == 0 or g.slots.device.type != "cpu":
-        return cascade.attend_shared(q, k_cache, v_cache, g, scale, attend=attend_lse)
-    return _attend(ext, q, k_cache, v_cache, scale, None, g.slots.to(torch.int64).contiguous())
+    if ext is None or v_cache.dtype != q.dtype or len(slots) == 0 or slots.device.type != "cpu":
+        return cascade.attend_at(q, k_cache, v_cache, slots, scale, q_pos, attend=attend_lse)
+    return _attend(ext, q, k_cache, v_cache, scale, q_pos, slots.to(torch.int64).contiguous())
 
 
 def _attend(ext, q, k, v, scale: float, q_pos, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,23 +77,24 @@ def _attend(ext, q, k, v, scale: float, q_pos, slots: torch.Tensor) -> tuple[tor
 
 
 def extend_attention(q, k_cache, v_cache, bounds, seq_slots, prefix_lens, scale: float) -> torch.Tensor:
-    """naive.extend_attention: each sequence's new tokens over its slots by attend_lse above (where
-    the kernel does not take them, naive's, whose fresh prompts need no mask)."""
+    """naive.extend_attention: each sequence's new tokens over its slots, read in place by attend_at
+    above (where the kernel does not take them, naive's, whose fresh prompts need no mask)."""
     if _attend_ext(q, k_cache) is None or v_cache.dtype != q.dtype:
         return naive.extend_attention(q, k_cache, v_cache, bounds, seq_slots, prefix_lens, scale)
     o = torch.empty_like(q)
     for (s, e), slots, p in zip(bounds, seq_slots, prefix_lens):
         if len(slots) != p + e - s:
             raise ValueError(f"len(slots)={len(slots)} != prefix_len + E = {p} + {e - s}")
-        o[s:e] = attend_lse(q[s:e], gather_rows(k_cache, slots), gather_rows(v_cache, slots), scale,
-                            torch.arange(p, p + e - s))[0]
+        o[s:e] = attend_at(q[s:e], k_cache, v_cache, slots, scale, torch.arange(p, p + e - s))[0]
     return o
 
 
 def cascade_prefill(q, k_cache, v_cache, bounds, seq_slots, prefix_lens, groups, scale: float) -> torch.Tensor:
-    """cascade.cascade_prefill with attend_lse and attend_shared above."""
+    """cascade.cascade_prefill with attend_lse and attend_at above."""
+    ext = _attend_ext(q, k_cache)
+    at = attend_at if ext is not None and v_cache.dtype == q.dtype else None
     return cascade.cascade_prefill(q, k_cache, v_cache, bounds, seq_slots, prefix_lens, groups, scale, attend=attend_lse,
-                                   shared=attend_shared)
+                                   attend_in_place=at)
 
 
 # A group of this many rows or fewer has its shared prefix read in place by the decode kernel, row
@@ -120,4 +121,4 @@ def cascade_decode(q, k_cache, v_cache, own_table, own_lens, groups, scale: floa
         o_s, lse_s = _rows(ext, q[rows], k_cache, v_cache, g.slots[None].expand(n, S),
                            torch.full((n,), S, dtype=torch.int64), scale)
         o[rows] = cascade.merge(o[rows], lse[rows], o_s, lse_s)
-    return cascade.with_shared(q, k_cache, v_cache, many, scale, o, lse, shared=attend_shared)
+    return cascade.with_shared(q, k_cache, v_cache, many, scale, o, lse, attend=attend_lse, attend_in_place=attend_at)

@@ -310,7 +310,8 @@ static void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 namespace rf_attn32 {
 // The fp32 form (a CPU with AVX-512; the fp32 model's prefill). The same plan as the bf16 one above,
 // by FMA: K packed once per call as fp32 blocks of 64 keys (rf_attn::pack_k), V read in place (its
-// rows are the micro-kernel's vectors as they lie), and 6-row micro-tiles, the linear kernel's shape
+// rows are the micro-kernel's vectors as they lie; rows at slots copied together first), and 6-row
+// micro-tiles, the linear kernel's shape
 // (24 accumulators, 4 vectors of K or V, 1 broadcast: 29 of 32 registers). torch's flash-attention op
 // ran the agent workload's prefill attention at ~110 GFLOP/s against the ~210 the FMA peaks at.
 // Numerics: q.k and P.V accumulated in fp32 in key order, the exponentials by exp_fast16 (2 ulp).
@@ -350,16 +351,14 @@ static inline void qk(const float* q, int64_t D, const float* kb, float* s, int6
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * ss + 16 * c, acc[r][c]);
 }
 
-// o[r, 0:64] += P[r, 0:n] V[0:n, 0:64] for R rows (P rows of stride ps; V in place, key j's row at
-// v + row_of(slots, j) * vs)
+// o[r, 0:64] += P[r, 0:n] V[0:n, 0:64] for R rows (P rows of stride ps; V rows of stride vs)
 template <int R>
-static inline void pv(const float* P, int64_t ps, const float* v, int64_t vs, const int64_t* slots, int64_t n,
-                      float* o, int64_t os) {
+static inline void pv(const float* P, int64_t ps, const float* v, int64_t vs, int64_t n, float* o, int64_t os) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_loadu_ps(o + r * os + 16 * c);
   for (int64_t j = 0; j < n; ++j) {
-    const float* vr = v + rf_attn::row_of(slots, j) * vs;
+    const float* vr = v + j * vs;
     const __m512 v0 = pinned(_mm512_loadu_ps(vr)), v1 = pinned(_mm512_loadu_ps(vr + 16)),
                  v2 = pinned(_mm512_loadu_ps(vr + 32)), v3 = pinned(_mm512_loadu_ps(vr + 48));
     for (int r = 0; r < R; ++r) {
@@ -394,7 +393,6 @@ struct Task {
   int64_t qs0, qs1;
   const float* v;       // V of kv head 0 (a head's rows: + h * vs1, stride vs0)
   int64_t vs0, vs1;
-  const int64_t* slots; // key j is row slots[j] of K and V (nullptr: row j)
   const int64_t* pos;   // nullptr: no mask
   int64_t T, G, D, S, Sp;
   float scale;
@@ -462,10 +460,7 @@ static void rows_task(const Task& a, int64_t h, int64_t r0, const float* kp, flo
     // keys past lim are invisible to every row (P = 0 there) and past S not in V at all
     const int64_t nv = std::min(nk, lim - j0);
     for (int64_t c0 = 0; c0 < D; c0 += 64)
-      by_tiles(n, [&](auto R, int64_t r) {
-        pv<R>(s + r * SB, SB, a.slots ? v + c0 : v + j0 * a.vs0 + c0, a.vs0, a.slots ? a.slots + j0 : nullptr, nv,
-              o + r * D + c0, D);
-      });
+      by_tiles(n, [&](auto R, int64_t r) { pv<R>(s + r * SB, SB, v + j0 * a.vs0 + c0, a.vs0, nv, o + r * D + c0, D); });
   }
   for (int64_t i = 0; i < n; ++i) {
     const int64_t t = (r0 + i) / a.G, hq = h * a.G + (r0 + i) % a.G;
@@ -480,15 +475,32 @@ static void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    const int64_t* slots, int64_t S, double scale, at::Tensor& o, at::Tensor& lse) {
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1), G = Hq / Hkv;
   const int64_t Sp = (S + KB - 1) / KB * KB;
-  const Task a{q.data_ptr<float>(), q.stride(0), q.stride(1), v.data_ptr<float>(), v.stride(0), v.stride(1), slots,
+  Task a{q.data_ptr<float>(), q.stride(0), q.stride(1), v.data_ptr<float>(), v.stride(0), v.stride(1),
                q_pos.numel() ? q_pos.data_ptr<int64_t>() : nullptr, T, G, D, S, Sp, static_cast<float>(scale)};
   std::unique_ptr<float[]> kp(new float[Hkv * Sp * D]);    // every element written by the pack
   const float* kd = k.data_ptr<float>();
-  shared_for(Hkv, [&](auto next) {
-    for (int64_t h = next(); h >= 0; h = next())
-      rf_attn::pack_k(reinterpret_cast<const char*>(kd + h * k.stride(1)), 4 * k.stride(0), slots, S, Sp, D,
-                      reinterpret_cast<uint32_t*>(kp.get() + h * Sp * D));
+  // V rows at slots are copied together once per call: read in place by every task, scattered rows
+  // made a 39 x 100-row prefill over a 2,992-key prefix 1.1x slower than a gather first
+  std::unique_ptr<float[]> vg(slots ? new float[Hkv * S * D] : nullptr);
+  const float* vd = v.data_ptr<float>();
+  shared_for(Hkv * (slots ? 2 : 1), [&](auto next) {
+    for (int64_t i = next(); i >= 0; i = next()) {
+      const int64_t h = i % Hkv;
+      if (i < Hkv) {
+        rf_attn::pack_k(reinterpret_cast<const char*>(kd + h * k.stride(1)), 4 * k.stride(0), slots, S, Sp, D,
+                        reinterpret_cast<uint32_t*>(kp.get() + h * Sp * D));
+      } else {
+        for (int64_t j = 0; j < S; ++j)
+          std::copy(vd + slots[j] * v.stride(0) + h * v.stride(1), vd + slots[j] * v.stride(0) + h * v.stride(1) + D,
+                    vg.get() + (h * S + j) * D);
+      }
+    }
   });
+  if (slots) {       // V now [Hkv, S, D] contiguous
+    a.v = vg.get();
+    a.vs0 = D;
+    a.vs1 = S * D;
+  }
   const int64_t nq = (T * G + QB - 1) / QB, tasks = Hkv * nq;
   float* op = o.data_ptr<float>();
   float* lsep = lse.data_ptr<float>();

@@ -202,7 +202,7 @@ def test_a_shared_prefix_is_read_where_it_lies_in_the_pool(built, dtype, monkeyp
     q = torch.randn(50, Hq, D, generator=gen).to(dtype)
     with monkeypatch.context() as m:
         m.setattr(attn_cascade.SharedPrefix, "kv", lambda *a: pytest.fail("gathered"))
-        o, lse = attn_cpu.attend_shared(q, kc, vc, g, D ** -0.5)
+        o, lse = attn_cpu.attend_at(q, kc, vc, slots, D ** -0.5)
         own = torch.zeros(50, 1, dtype=torch.int64)
         dec = attn_cpu.cascade_decode(q, kc, vc, own, torch.zeros(50, dtype=torch.int64), [g], D ** -0.5)
     ro, rlse = attn_cascade._attend_ref(q.float(), kc[slots].float(), vc[slots].float(), D ** -0.5, None)
@@ -210,9 +210,8 @@ def test_a_shared_prefix_is_read_where_it_lies_in_the_pool(built, dtype, monkeyp
     torch.testing.assert_close(o, ro, **tol)
     torch.testing.assert_close(lse, rlse, **(tol if dtype == torch.float32 else dict(atol=1e-3, rtol=1e-3)))
     torch.testing.assert_close(dec.float(), ro, **(tol if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
-    bad = attn_cascade.SharedPrefix(seqs=[0], slots=torch.tensor([5, 3000]))
     with pytest.raises(RuntimeError, match="outside"):
-        attn_cpu.attend_shared(q[:1], kc, vc, bad, D ** -0.5)
+        attn_cpu.attend_at(q[:1], kc, vc, torch.tensor([5, 3000]), D ** -0.5)
 
 
 def test_prefill_attention_the_kernel_does_not_take_goes_to_the_reference(built, monkeypatch):
