@@ -92,12 +92,12 @@ def attend_at(q, k_cache, v_cache, slots: torch.Tensor, scale: float, q_pos: tor
     return (attend or attend_lse)(q, gather_rows(k_cache, slots), gather_rows(v_cache, slots), scale, q_pos)
 
 
-def _shared(q, k_cache, v_cache, g: SharedPrefix, scale: float, attend, attend_at_) -> tuple[torch.Tensor, torch.Tensor]:
+def _shared(q, k_cache, v_cache, g: SharedPrefix, scale: float, attend, at) -> tuple[torch.Tensor, torch.Tensor]:
     """A group's rows over its shared prefix (no mask: they all follow it): a view where the prefix is
     contiguous in the pool, else read at its slots."""
     if g.start >= 0:
         return attend(q, *g.kv(k_cache, v_cache), scale)
-    return attend_at_(q, k_cache, v_cache, g.slots, scale)
+    return at(q, k_cache, v_cache, g.slots, scale)
 
 
 def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,7 @@ def _attend_ext(q: torch.Tensor, k: torch.Tensor):
     return ext if takes else None
 
 
-_NO_SLOTS = torch.empty(0, dtype=torch.int64)
+_EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 def attend_lse(q, k, v, scale: float, q_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +53,7 @@ def attend_lse(q, k, v, scale: float, q_pos: torch.Tensor | None = None) -> tupl
     ext = _attend_ext(q, k)
     if ext is None or v.dtype != q.dtype or k.shape[0] == 0:
         return cascade.attend_lse(q, k, v, scale, q_pos)
-    return _attend(ext, q, k, v, scale, q_pos, _NO_SLOTS)
+    return _attend(ext, q, k, v, scale, q_pos, _EMPTY)
 
 
 def attend_at(q, k_cache, v_cache, slots: torch.Tensor, scale: float,
@@ -70,7 +70,7 @@ def attend_at(q, k_cache, v_cache, slots: torch.Tensor, scale: float,
 def _attend(ext, q, k, v, scale: float, q_pos, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     o = torch.empty(q.shape, dtype=torch.float32)
     lse = torch.empty(q.shape[:2], dtype=torch.float32)
-    pos = _NO_SLOTS if q_pos is None else q_pos.to(torch.int64).contiguous()
+    pos = _EMPTY if q_pos is None else q_pos.to(torch.int64).contiguous()
     ext.attend_prefill(q if q.stride(2) == 1 else q.contiguous(), k if k.stride(2) == 1 else k.contiguous(),
                        v if v.stride(2) == 1 else v.contiguous(), pos, slots, float(scale), o, lse)
     return o, lse
@@ -91,10 +91,8 @@ def extend_attention(q, k_cache, v_cache, bounds, seq_slots, prefix_lens, scale:
 
 def cascade_prefill(q, k_cache, v_cache, bounds, seq_slots, prefix_lens, groups, scale: float) -> torch.Tensor:
     """cascade.cascade_prefill with attend_lse and attend_at above."""
-    ext = _attend_ext(q, k_cache)
-    at = attend_at if ext is not None and v_cache.dtype == q.dtype else None
     return cascade.cascade_prefill(q, k_cache, v_cache, bounds, seq_slots, prefix_lens, groups, scale, attend=attend_lse,
-                                   attend_in_place=at)
+                                   attend_in_place=attend_at)
 
 
 # A group of this many rows or fewer has its shared prefix read in place by the decode kernel, row
