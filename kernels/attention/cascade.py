@@ -92,6 +92,11 @@ def attend_at(q, k_cache, v_cache, slots: torch.Tensor, scale: float, q_pos: tor
     return (attend or attend_lse)(q, gather_rows(k_cache, slots), gather_rows(v_cache, slots), scale, q_pos)
 
 
+def _gathering(attend):
+    """attend_at's form over `attend` (the keys gathered first): where no in-place form is given."""
+    return lambda q, k_cache, v_cache, slots, scale, q_pos=None: attend_at(q, k_cache, v_cache, slots, scale, q_pos, attend)
+
+
 def _shared(q, k_cache, v_cache, g: SharedPrefix, scale: float, attend, at) -> tuple[torch.Tensor, torch.Tensor]:
     """A group's rows over its shared prefix (no mask: they all follow it): a view where the prefix is
     contiguous in the pool, else read at its slots."""
@@ -116,7 +121,7 @@ def cascade_prefill(q, k_cache, v_cache, bounds: list[tuple[int, int]], seq_slot
     (kernels/attention/cpu.py passes its kernel forms): with it a scattered shared prefix and a
     sequence alone are read in place, not gathered."""
     attend = attend or attend_lse
-    at = attend_in_place or (lambda q, kc, vc, slots, scale, q_pos=None: attend_at(q, kc, vc, slots, scale, q_pos, attend))
+    at = attend_in_place or _gathering(attend)
     dev = q.device
     out = torch.empty(q.shape, dtype=torch.float32, device=dev)
     grouped, starts, sh_o, sh_lse = [], {}, [], []
@@ -243,7 +248,7 @@ def with_shared(q, k_cache, v_cache, groups: list[SharedPrefix], scale: float, o
     """Merge each group's shared prefix (read once for the group) into its rows' own-part attention
     (o, lse: own_decode's); the result in q's dtype. `attend`, `attend_in_place` as in cascade_prefill."""
     attend = attend or attend_lse
-    at = attend_in_place or (lambda q, kc, vc, slots, scale, q_pos=None: attend_at(q, kc, vc, slots, scale, q_pos, attend))
+    at = attend_in_place or _gathering(attend)
     for g in groups:
         rows = torch.tensor(g.seqs, device=q.device)
         o_s, lse_s = _shared(q[rows], k_cache, v_cache, g, scale, attend, at)

@@ -50,6 +50,11 @@ constexpr int64_t NB = 64;   // packed weight rows (output columns) per block: f
 constexpr int MR = 6;        // rows per micro-tile: 6 x 4 accumulators + 4 weight vectors + 1 broadcast
 constexpr int64_t RB = 96;   // rows per task (16 micro-tiles); a task is RB rows x one block
 
+// the first min(n, 16) lanes (n > 0): a tile's last columns past the output's end are not stored
+static inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
+}
+
 // fp32: C[R, 64] of block bp ([K, 64] floats) over rows a, one FMA per weight and row; each output
 // sums its K products in order from 0, whatever the row count (a row's result does not depend on the
 // batch it is in, unlike a GEMM library's blocking, so cache on and off compute the same numbers)
@@ -84,7 +89,7 @@ static inline void tile_f32(const float* a, int64_t as, const float* bp, int64_t
       for (int j = 0; j < 2; ++j) {
         const int64_t left = cols - 16 * j;
         if (left <= 0) break;
-        const __mmask16 m = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+        const __mmask16 m = first_lanes(left);
         _mm512_mask_storeu_ps(c + i * cs + 16 * j, m, _mm512_load_ps(o + 16 * j));
       }
     }
@@ -93,7 +98,7 @@ static inline void tile_f32(const float* a, int64_t as, const float* bp, int64_t
       for (int j = 0; j < 4; ++j) {
         const int64_t left = cols - 16 * j;
         if (left <= 0) break;
-        const __mmask16 m = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+        const __mmask16 m = first_lanes(left);
         _mm512_mask_storeu_ps(c + i * cs + 16 * j, m, acc[i][j]);
       }
   }
@@ -164,7 +169,7 @@ static inline void tile(const uint16_t* a, int64_t as, const uint32_t* bp, int64
         if (left <= 0) break;
         const __m512 g = bf16_round16(acc[i][j]), u = bf16_round16(acc[i][j + 2]);
         const __m512 s = bf16_round16(_mm512_div_ps(g, _mm512_add_ps(one, exp_fast16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-        const __mmask16 m = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+        const __mmask16 m = first_lanes(left);
         _mm256_mask_storeu_epi16(c + i * cs + 16 * j, m, to_bf16x16(_mm512_mul_ps(s, u)));
       }
   } else {
@@ -172,7 +177,7 @@ static inline void tile(const uint16_t* a, int64_t as, const uint32_t* bp, int64
       for (int j = 0; j < 4; ++j) {
         const int64_t left = cols - 16 * j;
         if (left <= 0) break;
-        const __mmask16 m = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+        const __mmask16 m = first_lanes(left);
         _mm256_mask_storeu_epi16(c + i * cs + 16 * j, m, to_bf16x16(acc[i][j]));
       }
   }

@@ -90,7 +90,7 @@ class Engine(RadixExchange):
         self._shared_wait = False
         self.preempted = 0       # sequences sent back to waiting for want of pages (decode_reserve)
         self.steps = 0
-        self.last_compute_s = 0.0   # the last step's model run and postprocessing (the rest of a step: intake, radix)
+        self.last_compute_s = 0.0   # this step's model run and postprocessing (0: none; the rest of a step is intake and radix)
         self.mixed_steps = 0     # prefill steps that carried decode rows
         self.overlapped = 0      # exchanges that travelled while a step computed
         self.counters = {"prompt_tokens_total": 0, "cached_tokens_total": 0, "prefill_tokens_computed_total": 0,
@@ -226,6 +226,7 @@ class Engine(RadixExchange):
 
     def step(self) -> list[tuple[str, SeqOutput]]:
         """One step; returns (output subject, output) for every sequence that advanced or ended."""
+        self.last_compute_s = 0.0
         self._await_burst()
         outs = self._intake()
         if self.cfg.decode_reserve > 0:

@@ -180,7 +180,6 @@ class ExecutorService(Actor):
                 self._wake.wait(0.5)
                 continue
             t0 = time.perf_counter()
-            self.engine.last_compute_s = 0.0
             outs = self.engine.step()
             self.log.debug("step", ms=round((time.perf_counter() - t0) * 1e3, 2),
                            compute_ms=round(self.engine.last_compute_s * 1e3, 2), outputs=len(outs),
