@@ -33,6 +33,37 @@ namespace rf_attn {
 
 constexpr int64_t kKeyBlock = 64;   // keys per packed K block: the QK micro-kernels' 4 vectors of 16
 
+// Scratch of n words for one call's packed K or V, kept by the calling thread and only grown, up to
+// 32 MB (a larger one is the call's own: its page faults are small beside its work). A fresh 1.5 MB
+// buffer per call went back to the system when freed (glibc trims the heap's top past twice the
+// mmap threshold) and was faulted in anew each time: ~1 ms per call, 15x what one decode row over
+// a 3,000-token prefix computes. `Which` tells a call's buffers apart.
+template <int Which>
+class Scratch {
+ public:
+  explicit Scratch(size_t n) {
+    constexpr size_t kKeep = size_t(8) << 20;
+    if (n > kKeep) {
+      own_.reset(new uint32_t[n]);
+      p_ = own_.get();
+      return;
+    }
+    thread_local std::unique_ptr<uint32_t[]> kept;
+    thread_local size_t cap = 0;
+    if (cap < n) {
+      kept.reset(new uint32_t[n]);
+      cap = n;
+    }
+    p_ = kept.get();
+  }
+  uint32_t* get() const { return p_; }
+  float* f32() const { return reinterpret_cast<float*>(p_); }
+
+ private:
+  std::unique_ptr<uint32_t[]> own_;
+  uint32_t* p_;
+};
+
 // the K/V row of key j: slots[j], or j where there are no slots
 static inline int64_t row_of(const int64_t* slots, int64_t j) { return slots ? slots[j] : j; }
 
@@ -276,7 +307,8 @@ static void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const Task a{reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0), q.stride(1),
                q_pos.numel() ? q_pos.data_ptr<int64_t>() : nullptr, T, G, D, S, Sp, static_cast<float>(scale)};
   // not zeroed: the packs write every element (a zeroing pass of 1.6 MB per call cost as much as them)
-  std::unique_ptr<uint32_t[]> kp(new uint32_t[Hkv * Sp * D / 2]), vp(new uint32_t[Hkv * Sp * D / 2]);
+  const Scratch<0> kp(Hkv * Sp * D / 2);
+  const Scratch<1> vp(Hkv * Sp * D / 2);
   const uint16_t* kd = reinterpret_cast<const uint16_t*>(k.data_ptr());
   const uint16_t* vd = reinterpret_cast<const uint16_t*>(v.data_ptr());
   shared_for(2 * Hkv, [&](auto next) {
@@ -477,27 +509,29 @@ static void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const int64_t Sp = (S + KB - 1) / KB * KB;
   Task a{q.data_ptr<float>(), q.stride(0), q.stride(1), v.data_ptr<float>(), v.stride(0), v.stride(1),
                q_pos.numel() ? q_pos.data_ptr<int64_t>() : nullptr, T, G, D, S, Sp, static_cast<float>(scale)};
-  std::unique_ptr<float[]> kp(new float[Hkv * Sp * D]);    // every element written by the pack
+  const rf_attn::Scratch<0> ks(Hkv * Sp * D);              // every element written by the pack
+  float* const kpf = ks.f32();
   const float* kd = k.data_ptr<float>();
   // V rows at slots are copied together once per call: read in place by every task, scattered rows
   // made a 39 x 100-row prefill over a 2,992-key prefix 1.1x slower than a gather first
-  std::unique_ptr<float[]> vg(slots ? new float[Hkv * S * D] : nullptr);
+  const rf_attn::Scratch<1> vs(slots ? Hkv * S * D : 0);
+  float* const vg = vs.f32();
   const float* vd = v.data_ptr<float>();
   shared_for(Hkv * (slots ? 2 : 1), [&](auto next) {
     for (int64_t i = next(); i >= 0; i = next()) {
       const int64_t h = i % Hkv;
       if (i < Hkv) {
         rf_attn::pack_k(reinterpret_cast<const char*>(kd + h * k.stride(1)), 4 * k.stride(0), slots, S, Sp, D,
-                        reinterpret_cast<uint32_t*>(kp.get() + h * Sp * D));
+                        reinterpret_cast<uint32_t*>(kpf + h * Sp * D));
       } else {
         for (int64_t j = 0; j < S; ++j)
           std::copy(vd + slots[j] * v.stride(0) + h * v.stride(1), vd + slots[j] * v.stride(0) + h * v.stride(1) + D,
-                    vg.get() + (h * S + j) * D);
+                    vg + (h * S + j) * D);
       }
     }
   });
   if (slots) {       // V now [Hkv, S, D] contiguous
-    a.v = vg.get();
+    a.v = vg;
     a.vs0 = D;
     a.vs1 = S * D;
   }
@@ -508,7 +542,7 @@ static void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     std::vector<float> qbuf(QB * D), s(QB * SB), ob(QB * D), m(QB), l(QB);
     for (int64_t i = next(); i >= 0; i = next()) {
       const int64_t h = i % Hkv, b = nq - 1 - i / Hkv;     // the dearest causal blocks first (as above)
-      rows_task(a, h, b * QB, kp.get() + h * Sp * D, op, lsep, Hq, qbuf.data(), s.data(), ob.data(), m.data(), l.data());
+      rows_task(a, h, b * QB, kpf + h * Sp * D, op, lsep, Hq, qbuf.data(), s.data(), ob.data(), m.data(), l.data());
     }
   });
 }

@@ -214,6 +214,30 @@ def test_a_shared_prefix_is_read_where_it_lies_in_the_pool(built, dtype, monkeyp
         attn_cpu.attend_at(q[:1], kc, vc, torch.tensor([5, 3000]), D ** -0.5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_kernels_kept_scratch_carries_nothing_between_calls(built, dtype):
+    """The prefill kernel packs K (and V) into scratch its thread keeps between calls: a large call,
+    then a smaller one (the buffer holds the large one's keys past the small one's end), then the
+    large one again, each match the reference and a repeated call is bit-identical."""
+    ext = cpu_ext.get()
+    if not (ext.attend_takes_bf16() if dtype == torch.bfloat16 else ext.attend_takes_fp32()):
+        pytest.skip("this CPU has no AVX-512 form for this dtype")
+    gen = torch.Generator().manual_seed(5)
+    Hq, Hkv, D = 4, 2, 64
+    kc, vc = (torch.randn(4000, Hkv, D, generator=gen).to(dtype) for _ in range(2))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    firsts = {}
+    for T, S in ((20, 3000), (7, 70), (20, 3000), (7, 70)):
+        slots = torch.randperm(4000, generator=torch.Generator().manual_seed(S))[:S]
+        q = torch.randn(T, Hq, D, generator=torch.Generator().manual_seed(T)).to(dtype)
+        o, lse = attn_cpu.attend_at(q, kc, vc, slots, D ** -0.5)
+        ro, _ = attn_cascade._attend_ref(q.float(), kc[slots].float(), vc[slots].float(), D ** -0.5, None)
+        torch.testing.assert_close(o, ro, **tol)
+        if S in firsts:
+            assert torch.equal(o, firsts[S][0]) and torch.equal(lse, firsts[S][1])
+        firsts[S] = o, lse
+
+
 def test_prefill_attention_the_kernel_does_not_take_goes_to_the_reference(built, monkeypatch):
     """A head size the kernel has no form for goes to the torch forms whole: a fresh prompt's
     extension to naive's causal op, which needs no mask, not to per-sequence masked calls."""
