@@ -29,7 +29,7 @@ SOURCES = [_HERE / "elementwise" / "cpu_fused.cpp", _HERE / "gated_delta_rule" /
            _HERE / "linear" / "cpu_gemm.cpp"]
 FUNCTIONS = ["gdr_decode_depths", "gdr_prefill", "conv_update_depths", "conv_prefill", "silu_mul",
              "silu_mul_takes_bf16", "rms_norm", "gated_rms_norm", "apply_bitmask", "decode_rows", "attend_prefill",
-             "attend_takes_bf16", "attend_takes_fp32", "rotary", "linear_takes_bf16", "linear_takes_fp32", "linear_pack", "linear_packed"]
+             "attend_takes_bf16", "attend_takes_fp32", "attend_cascade", "rotary", "linear_takes_bf16", "linear_takes_fp32", "linear_pack", "linear_packed"]
 
 _lock = threading.Lock()
 _done = threading.Event()
@@ -86,6 +86,9 @@ def _load():
              "const at::Tensor& table, const at::Tensor& lens, double scale, at::Tensor& o, at::Tensor& lse);\n"
              "void attend_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, "
              "const at::Tensor& q_pos, const at::Tensor& slots, double scale, at::Tensor& o, at::Tensor& lse);\n"
+             "void attend_cascade(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, "
+             "const at::Tensor& shared, const at::Tensor& bounds, const at::Tensor& own, const at::Tensor& own_off, "
+             "const at::Tensor& q_off, double scale, at::Tensor& o, at::Tensor& lse);\n"
              "bool attend_takes_bf16();\n"
              "bool attend_takes_fp32();\n"
              "void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out);\n"

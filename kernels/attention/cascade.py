@@ -114,18 +114,24 @@ def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Te
 
 def cascade_prefill(q, k_cache, v_cache, bounds: list[tuple[int, int]], seq_slots: list[torch.Tensor],
                     prefix_lens: list[int], groups: list[SharedPrefix], scale: float, attend=None,
-                    attend_in_place=None) -> torch.Tensor:
+                    attend_in_place=None, attend_group=None) -> torch.Tensor:
     """Prefill of several sequences (packed q [T, Hq, D]); a group's shared prefix lies within every
     member's cached prefix, so all of the member's new tokens see all of it. `attend`: attend_lse's
     signature; `attend_in_place`: attend_at's, a form that reads keys where they lie in the pool
     (kernels/attention/cpu.py passes its kernel forms): with it a scattered shared prefix and a
-    sequence alone are read in place, not gathered."""
+    sequence alone are read in place, not gathered. `attend_group(q, k_cache, v_cache, g, bounds,
+    seq_slots, prefix_lens, scale, out)`: a form that writes a whole group's rows of `out` (fp32) in
+    one pass, shared and own parts together; the composition below is its reference."""
     attend = attend or attend_lse
     at = attend_in_place or _gathering(attend)
     dev = q.device
     out = torch.empty(q.shape, dtype=torch.float32, device=dev)
-    grouped, starts, sh_o, sh_lse = [], {}, [], []
+    grouped, starts, sh_o, sh_lse, done = [], {}, [], [], set()
     for g in groups:
+        if attend_group is not None:
+            attend_group(q, k_cache, v_cache, g, bounds, seq_slots, prefix_lens, scale, out)
+            done.update(g.seqs)
+            continue
         rows = torch.cat([torch.arange(*bounds[i], device=dev) for i in g.seqs])
         o, lse = _shared(q[rows], k_cache, v_cache, g, scale, attend, at)
         sh_o.append(o)
@@ -151,7 +157,7 @@ def cascade_prefill(q, k_cache, v_cache, bounds: list[tuple[int, int]], seq_slot
                      for x, k, off in zip(own_q, own_k, q_off)]
             o, lse = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         out[rows] = merge(o, lse, torch.cat(sh_o), torch.cat(sh_lse))
-    alone = set(grouped)
+    alone = set(grouped) | done
     for i, (s, e) in enumerate(bounds):
         if i in alone:
             continue

@@ -89,10 +89,29 @@ def extend_attention(q, k_cache, v_cache, bounds, seq_slots, prefix_lens, scale:
     return o
 
 
+def attend_group(q, k_cache, v_cache, g: cascade.SharedPrefix, bounds, seq_slots, prefix_lens, scale: float,
+                 out: torch.Tensor) -> None:
+    """cascade_prefill's `attend_group` by the fp32 kernel (attend_cascade): a group's rows over its
+    shared prefix and then each member's own keys in one online softmax, written into out's rows.
+    The composition it replaces (shared part, own parts padded through torch's op, merge, the copies
+    between) was 13 of 79 ms a layer for 39 siblings of 100 tokens over a 3,000-token prefix."""
+    S = len(g.slots)
+    own = [seq_slots[i][S:].to(torch.int64) for i in g.seqs]
+    own_off = torch.zeros(len(own) + 1, dtype=torch.int64)
+    torch.cumsum(torch.tensor([len(x) for x in own], dtype=torch.int64), 0, out=own_off[1:])
+    cpu_ext.get().attend_cascade(
+        q if q.stride(2) == 1 else q.contiguous(), k_cache, v_cache, g.slots.to(torch.int64).contiguous(),
+        torch.tensor([bounds[i] for i in g.seqs], dtype=torch.int64), torch.cat(own), own_off,
+        torch.tensor([prefix_lens[i] - S for i in g.seqs], dtype=torch.int64), float(scale), out,
+        torch.empty(q.shape[:2], dtype=torch.float32))
+
+
 def cascade_prefill(q, k_cache, v_cache, bounds, seq_slots, prefix_lens, groups, scale: float) -> torch.Tensor:
-    """cascade.cascade_prefill with attend_lse and attend_at above."""
+    """cascade.cascade_prefill with attend_lse and attend_at above, and in fp32 attend_group."""
+    fused = q.dtype == torch.float32 and v_cache.dtype == q.dtype and _attend_ext(q, k_cache) is not None \
+        and k_cache.stride(2) == 1 and v_cache.stride(2) == 1
     return cascade.cascade_prefill(q, k_cache, v_cache, bounds, seq_slots, prefix_lens, groups, scale, attend=attend_lse,
-                                   attend_in_place=attend_at)
+                                   attend_in_place=attend_at, attend_group=attend_group if fused else None)
 
 
 # A group of this many rows or fewer has its shared prefix read in place by the decode kernel, row

@@ -420,129 +420,204 @@ static inline void by_tiles(int64_t rows, Tile&& tile) {
   }
 }
 
-struct Task {
-  const float* q;
-  int64_t qs0, qs1;
-  const float* v;       // V of kv head 0 (a head's rows: + h * vs1, stride vs0)
-  int64_t vs0, vs1;
-  const int64_t* pos;   // nullptr: no mask
-  int64_t T, G, D, S, Sp;
-  float scale;
+// The online softmax of one task's rows (n <= QB: row i is (token t, query head g) of one kv head):
+// their q rows, o unnormalized, the running max m and sum l; s is the scores' scratch [QB, SB]
+struct Rows {
+  float* q;
+  float* s;
+  float* o;
+  float* m;
+  float* l;
+  int64_t* last;   // per row: the last key of the current run it sees (-1: none)
+  int64_t n, D;
 };
 
-// one task: QB rows (t * G + g for t in tokens, g in the kv head's query heads) of kv head h
-static void rows_task(const Task& a, int64_t h, int64_t r0, const float* kp, float* op, float* lsep, int64_t Hq,
-                      float* qbuf, float* s, float* o, float* m, float* l) {
-  const int64_t D = a.D, n = std::min(QB, a.T * a.G - r0);
-  int64_t lim = a.S;                                        // keys [0, lim) may be visible to a row
-  int64_t full = a.S;                                       // keys [0, full) visible to every row
-  if (a.pos != nullptr) {
-    int64_t hi = -1, lo = a.S;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t p = a.pos[(r0 + i) / a.G];
-      hi = std::max(hi, p);
-      lo = std::min(lo, p + 1);
-    }
-    lim = std::min(a.S, hi + 1);
-    full = std::max<int64_t>(0, std::min(lo, a.S));
-  }
+// rows [r0, r0 + n) of a kv head (row r: token t0 + r / G, query head h * G + r % G) into the state
+static void begin(Rows& st, const float* q, int64_t qs0, int64_t qs1, int64_t h, int64_t G, int64_t t0, int64_t r0,
+                  int64_t n) {
+  st.n = n;
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t t = (r0 + i) / a.G, g = (r0 + i) % a.G;
-    const float* src = a.q + t * a.qs0 + (h * a.G + g) * a.qs1;
-    std::copy(src, src + D, qbuf + i * D);
-    m[i] = -INFINITY;
-    l[i] = 0.f;
+    const int64_t t = t0 + (r0 + i) / G, g = (r0 + i) % G;
+    const float* src = q + t * qs0 + (h * G + g) * qs1;
+    std::copy(src, src + st.D, st.q + i * st.D);
+    st.m[i] = -INFINITY;
+    st.l[i] = 0.f;
   }
-  std::fill(o, o + n * D, 0.f);
-  const float* v = a.v + h * a.vs1;
+  std::fill(st.o, st.o + n * st.D, 0.f);
+}
+
+// one run of S keys through the state: K packed (rf_attn::pack_k, Sp keys), V rows of stride vs;
+// row i sees keys [0, st.last[i]]
+static void run(Rows& st, const float* kp, const float* v, int64_t vs, int64_t S, int64_t Sp, float scale) {
+  const int64_t D = st.D, n = st.n;
+  int64_t lim = 0, full = S;        // keys [0, lim) may be visible to a row, [0, full) are to every row
+  for (int64_t i = 0; i < n; ++i) {
+    lim = std::max(lim, st.last[i] + 1);
+    full = std::min(full, st.last[i] + 1);
+  }
+  float* const s = st.s;
   for (int64_t j0 = 0; j0 < lim; j0 += SB) {
-    const int64_t nk = std::min(SB, a.Sp - j0);           // a multiple of KB (Sp is)
+    const int64_t nk = std::min(SB, Sp - j0);             // a multiple of KB (Sp is)
     for (int64_t b = 0; b < nk / KB; ++b)
-      by_tiles(n, [&](auto R, int64_t r) { qk<R>(qbuf + r * D, D, kp + (j0 + b * KB) * D, s + r * SB + b * KB, SB); });
+      by_tiles(n, [&](auto R, int64_t r) { qk<R>(st.q + r * D, D, kp + (j0 + b * KB) * D, s + r * SB + b * KB, SB); });
     const bool masked = j0 + nk > full;
     for (int64_t i = 0; i < n; ++i) {
       float* si = s + i * SB;
-      const int64_t vis = std::min(a.pos ? a.pos[(r0 + i) / a.G] + 1 : a.S, a.S) - j0;   // visible keys of this block
+      const int64_t vis = st.last[i] + 1 - j0;             // visible keys of this block
       auto keep = [&](int64_t c) -> __mmask16 {
         const int64_t left = vis - c;
         return !masked || left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
       };
       __m512 mx = _mm512_set1_ps(-INFINITY);
       for (int64_t c = 0; c < nk; c += 16) mx = _mm512_mask_max_ps(mx, keep(c), mx, _mm512_loadu_ps(si + c));
-      const float mnew = std::max(m[i], _mm512_reduce_max_ps(mx) * a.scale);   // scale > 0: the max commutes
+      const float mnew = std::max(st.m[i], _mm512_reduce_max_ps(mx) * scale);   // scale > 0: the max commutes
       if (mnew == -INFINITY) {                             // nothing visible yet: P = 0
         std::fill(si, si + nk, 0.f);
         continue;
       }
-      const float alpha = m[i] == -INFINITY ? 0.f : exp_fast(m[i] - mnew);
-      const __m512 sc = _mm512_set1_ps(a.scale), off = _mm512_set1_ps(-mnew);
+      const float alpha = st.m[i] == -INFINITY ? 0.f : exp_fast(st.m[i] - mnew);
+      const __m512 sc = _mm512_set1_ps(scale), off = _mm512_set1_ps(-mnew);
       __m512 sum = _mm512_setzero_ps();
       for (int64_t c = 0; c < nk; c += 16) {
         const __m512 e = _mm512_maskz_mov_ps(keep(c), exp_fast16(_mm512_fmadd_ps(_mm512_loadu_ps(si + c), sc, off)));
         sum = _mm512_add_ps(sum, e);
         _mm512_storeu_ps(si + c, e);
       }
-      l[i] = l[i] * alpha + _mm512_reduce_add_ps(sum);
-      m[i] = mnew;
+      st.l[i] = st.l[i] * alpha + _mm512_reduce_add_ps(sum);
+      st.m[i] = mnew;
       if (alpha != 1.f) {
         const __m512 av = _mm512_set1_ps(alpha);
-        for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(o + i * D + c, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + c), av));
+        float* oi = st.o + i * D;
+        for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(oi + c, _mm512_mul_ps(_mm512_loadu_ps(oi + c), av));
       }
     }
     // keys past lim are invisible to every row (P = 0 there) and past S not in V at all
     const int64_t nv = std::min(nk, lim - j0);
     for (int64_t c0 = 0; c0 < D; c0 += 64)
-      by_tiles(n, [&](auto R, int64_t r) { pv<R>(s + r * SB, SB, v + j0 * a.vs0 + c0, a.vs0, nv, o + r * D + c0, D); });
+      by_tiles(n, [&](auto R, int64_t r) { pv<R>(s + r * SB, SB, v + j0 * vs + c0, vs, nv, st.o + r * D + c0, D); });
   }
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t t = (r0 + i) / a.G, hq = h * a.G + (r0 + i) % a.G;
+}
+
+// the state's rows, normalized, into o [T, Hq, D] and their LSE into lse [T, Hq] (rows as begin's)
+static void finish(const Rows& st, float* op, float* lsep, int64_t Hq, int64_t h, int64_t G, int64_t t0, int64_t r0) {
+  const int64_t D = st.D;
+  for (int64_t i = 0; i < st.n; ++i) {
+    const int64_t t = t0 + (r0 + i) / G, hq = h * G + (r0 + i) % G;
     float* dst = op + (t * Hq + hq) * D;
-    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    for (int64_t d = 0; d < D; ++d) dst[d] = o[i * D + d] * inv;
-    lsep[t * Hq + hq] = l[i] > 0.f ? m[i] + std::log(l[i]) : -INFINITY;
+    const float inv = st.l[i] > 0.f ? 1.f / st.l[i] : 0.f;
+    for (int64_t d = 0; d < D; ++d) dst[d] = st.o[i * D + d] * inv;
+    lsep[t * Hq + hq] = st.l[i] > 0.f ? st.m[i] + std::log(st.l[i]) : -INFINITY;
   }
+}
+
+// a task's scratch, one per thread
+struct TaskBuf {
+  std::vector<float> q, s, o, m, l;
+  std::vector<int64_t> last;
+  explicit TaskBuf(int64_t D) : q(QB * D), s(QB * SB), o(QB * D), m(QB), l(QB), last(QB) {}
+  Rows rows(int64_t D) { return Rows{q.data(), s.data(), o.data(), m.data(), l.data(), last.data(), 0, D}; }
+};
+
+// K of kv head h at `slots` (or rows 0..S-1) packed into kp, and, where there are slots, its V rows
+// copied together into vg as [S, D] (read in place by every task, scattered rows made a 39 x
+// 100-row prefill over a 2,992-key prefix 1.1x slower than a gather first)
+static void pack_k(const at::Tensor& k, int64_t h, const int64_t* slots, int64_t S, int64_t Sp, float* kp) {
+  rf_attn::pack_k(reinterpret_cast<const char*>(k.data_ptr<float>() + h * k.stride(1)), 4 * k.stride(0), slots, S, Sp,
+                  k.size(2), reinterpret_cast<uint32_t*>(kp));
+}
+
+static void copy_v(const at::Tensor& v, int64_t h, const int64_t* slots, int64_t S, float* vg) {
+  const float* vd = v.data_ptr<float>() + h * v.stride(1);
+  const int64_t D = v.size(2);
+  for (int64_t j = 0; j < S; ++j) std::copy(vd + slots[j] * v.stride(0), vd + slots[j] * v.stride(0) + D, vg + j * D);
 }
 
 static void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
                    const int64_t* slots, int64_t S, double scale, at::Tensor& o, at::Tensor& lse) {
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1), G = Hq / Hkv;
   const int64_t Sp = (S + KB - 1) / KB * KB;
-  Task a{q.data_ptr<float>(), q.stride(0), q.stride(1), v.data_ptr<float>(), v.stride(0), v.stride(1),
-               q_pos.numel() ? q_pos.data_ptr<int64_t>() : nullptr, T, G, D, S, Sp, static_cast<float>(scale)};
+  const int64_t* pos = q_pos.numel() ? q_pos.data_ptr<int64_t>() : nullptr;
   const rf_attn::Scratch<0> ks(Hkv * Sp * D);              // every element written by the pack
-  float* const kpf = ks.f32();
-  const float* kd = k.data_ptr<float>();
-  // V rows at slots are copied together once per call: read in place by every task, scattered rows
-  // made a 39 x 100-row prefill over a 2,992-key prefix 1.1x slower than a gather first
   const rf_attn::Scratch<1> vs(slots ? Hkv * S * D : 0);
+  float* const kp = ks.f32();
   float* const vg = vs.f32();
-  const float* vd = v.data_ptr<float>();
   shared_for(Hkv * (slots ? 2 : 1), [&](auto next) {
     for (int64_t i = next(); i >= 0; i = next()) {
-      const int64_t h = i % Hkv;
-      if (i < Hkv) {
-        rf_attn::pack_k(reinterpret_cast<const char*>(kd + h * k.stride(1)), 4 * k.stride(0), slots, S, Sp, D,
-                        reinterpret_cast<uint32_t*>(kpf + h * Sp * D));
-      } else {
-        for (int64_t j = 0; j < S; ++j)
-          std::copy(vd + slots[j] * v.stride(0) + h * v.stride(1), vd + slots[j] * v.stride(0) + h * v.stride(1) + D,
-                    vg + (h * S + j) * D);
-      }
+      if (i < Hkv) pack_k(k, i, slots, S, Sp, kp + i * Sp * D);
+      else copy_v(v, i - Hkv, slots, S, vg + (i - Hkv) * S * D);
     }
   });
-  if (slots) {       // V now [Hkv, S, D] contiguous
-    a.v = vg;
-    a.vs0 = D;
-    a.vs1 = S * D;
-  }
   const int64_t nq = (T * G + QB - 1) / QB, tasks = Hkv * nq;
   float* op = o.data_ptr<float>();
   float* lsep = lse.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
   shared_for(tasks, [&](auto next) {
-    std::vector<float> qbuf(QB * D), s(QB * SB), ob(QB * D), m(QB), l(QB);
+    TaskBuf buf(D);
+    Rows st = buf.rows(D);
     for (int64_t i = next(); i >= 0; i = next()) {
-      const int64_t h = i % Hkv, b = nq - 1 - i / Hkv;     // the dearest causal blocks first (as above)
-      rows_task(a, h, b * QB, kpf + h * Sp * D, op, lsep, Hq, qbuf.data(), s.data(), ob.data(), m.data(), l.data());
+      // causal blocks cost in proportion to their position: the dearest first, so that the threads
+      // finish together
+      const int64_t h = i % Hkv, r0 = (nq - 1 - i / Hkv) * QB;
+      begin(st, q.data_ptr<float>(), q.stride(0), q.stride(1), h, G, 0, r0, std::min(QB, T * G - r0));
+      for (int64_t r = 0; r < st.n; ++r) st.last[r] = pos ? std::min(pos[(r0 + r) / G], S - 1) : S - 1;
+      if (slots) run(st, kp + h * Sp * D, vg + h * S * D, D, S, Sp, sc);
+      else run(st, kp + h * Sp * D, v.data_ptr<float>() + h * v.stride(1), v.stride(0), S, Sp, sc);
+      finish(st, op, lsep, Hq, h, G, 0, r0);
+    }
+  });
+}
+
+// A group's prefill (cascade.cascade_prefill's groups) in one pass: sequence n's query rows
+// bounds[n] see the shared prefix's S keys at `shared`, then its own keys own[own_off[n]:own_off[n+1]]
+// up to own position q_off[n] + t for its token t, one online softmax over both runs. The
+// composition it replaces (the shared part over all rows, the own parts by torch's padded
+// flash-attention op, a merge by their LSE, and the copies between) cost 13 of 79 ms a layer at 39
+// sequences of 100 tokens over 3,000 shared keys.
+static void cascade(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* shared, int64_t S,
+                    const int64_t* bounds, const int64_t* own, const int64_t* own_off, const int64_t* q_off, int64_t N,
+                    double scale, at::Tensor& o, at::Tensor& lse) {
+  const int64_t Hq = q.size(1), D = q.size(2), Hkv = k.size(1), G = Hq / Hkv;
+  const int64_t Sp = (S + KB - 1) / KB * KB;
+  // packed own K of sequence n at kof[n] (a kv head's: + h * its Sp * D), V rows at vof[n]
+  std::vector<int64_t> kof(N + 1, Hkv * Sp * D), vof(N + 1, Hkv * S * D), task0(N + 1, 0);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t L = own_off[n + 1] - own_off[n];
+    kof[n + 1] = kof[n] + Hkv * (L + KB - 1) / KB * KB * D;
+    vof[n + 1] = vof[n] + Hkv * L * D;
+    task0[n + 1] = task0[n] + Hkv * (((bounds[2 * n + 1] - bounds[2 * n]) * G + QB - 1) / QB);
+  }
+  const rf_attn::Scratch<0> ks(kof[N]);
+  const rf_attn::Scratch<1> vs(vof[N]);
+  float* const kp = ks.f32();
+  float* const vg = vs.f32();
+  shared_for(2 * Hkv * (N + 1), [&](auto next) {
+    for (int64_t i = next(); i >= 0; i = next()) {
+      const int64_t n = i / (2 * Hkv) - 1, h = i % Hkv;      // n = -1: the shared prefix
+      const bool is_k = i % (2 * Hkv) < Hkv;
+      const int64_t* sl = n < 0 ? shared : own + own_off[n];
+      const int64_t L = n < 0 ? S : own_off[n + 1] - own_off[n], Lp = (L + KB - 1) / KB * KB;
+      if (is_k) pack_k(k, h, sl, L, Lp, kp + (n < 0 ? 0 : kof[n]) + h * Lp * D);
+      else copy_v(v, h, sl, L, vg + (n < 0 ? 0 : vof[n]) + h * L * D);
+    }
+  });
+  float* op = o.data_ptr<float>();
+  float* lsep = lse.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  shared_for(task0[N], [&](auto next) {
+    TaskBuf buf(D);
+    Rows st = buf.rows(D);
+    int64_t n = 0;
+    for (int64_t i = next(); i >= 0; i = next()) {
+      while (task0[n + 1] <= i) ++n;                         // a thread's tasks come in increasing order
+      const int64_t t0 = bounds[2 * n], E = bounds[2 * n + 1] - t0, nb = (task0[n + 1] - task0[n]) / Hkv;
+      const int64_t h = (i - task0[n]) / nb, r0 = (i - task0[n]) % nb * QB;
+      const int64_t L = own_off[n + 1] - own_off[n], Lp = (L + KB - 1) / KB * KB;
+      begin(st, q.data_ptr<float>(), q.stride(0), q.stride(1), h, G, t0, r0, std::min(QB, E * G - r0));
+      std::fill(st.last, st.last + st.n, S - 1);
+      run(st, kp + h * Sp * D, vg + h * S * D, D, S, Sp, sc);
+      for (int64_t r = 0; r < st.n; ++r) st.last[r] = std::min(q_off[n] + (r0 + r) / G, L - 1);
+      run(st, kp + kof[n] + h * Lp * D, vg + vof[n] + h * L * D, D, L, Lp, sc);
+      finish(st, op, lsep, Hq, h, G, t0, r0);
     }
   });
 }
@@ -599,4 +674,41 @@ void attend_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 #endif
   TORCH_CHECK(false, "attend_prefill: head size 64, 128 or 256, in bf16 on a CPU with AVX512-BF16 or fp32 on one "
               "with AVX-512");
+}
+
+void attend_cascade(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& shared,
+                    const at::Tensor& bounds, const at::Tensor& own, const at::Tensor& own_off,
+                    const at::Tensor& q_off, double scale, at::Tensor& o, at::Tensor& lse) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && q.size(2) == k_cache.size(2)
+              && k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0, "attend_cascade: shapes");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
+              "attend_cascade: fp32");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1,
+              "attend_cascade: rows of the head dim contiguous");
+  TORCH_CHECK(q.size(2) % 64 == 0 && q.size(2) <= 256, "attend_cascade: head size 64, 128, 192 or 256");
+  TORCH_CHECK(scale > 0, "attend_cascade: a positive scale");
+  for (const at::Tensor* t : {&shared, &bounds, &own, &own_off, &q_off})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "attend_cascade: int64 contiguous index tensors");
+  const int64_t N = q_off.numel(), P = k_cache.size(0), T = q.size(0);
+  TORCH_CHECK(bounds.numel() == 2 * N && own_off.numel() == N + 1, "attend_cascade: bounds [N, 2], own_off [N + 1]");
+  const int64_t* bp = bounds.data_ptr<int64_t>();
+  const int64_t* ofp = own_off.data_ptr<int64_t>();
+  const int64_t* qo = q_off.data_ptr<int64_t>();
+  TORCH_CHECK(ofp[0] == 0 && ofp[N] == own.numel(), "attend_cascade: own_off spans own");
+  for (int64_t n = 0; n < N; ++n)
+    TORCH_CHECK(0 <= bp[2 * n] && bp[2 * n] <= bp[2 * n + 1] && bp[2 * n + 1] <= T && ofp[n] <= ofp[n + 1] && qo[n] >= 0,
+                "attend_cascade: sequence ", n, "'s bounds, own keys or offset");
+  for (const at::Tensor* t : {&shared, &own}) {
+    const int64_t* p = t->data_ptr<int64_t>();
+    for (int64_t j = 0; j < t->numel(); ++j)
+      TORCH_CHECK(0 <= p[j] && p[j] < P, "attend_cascade: slot ", p[j], " outside the pool's ", P, " rows");
+  }
+  TORCH_CHECK(o.is_contiguous() && o.scalar_type() == at::kFloat && o.sizes() == q.sizes() && lse.is_contiguous()
+              && lse.scalar_type() == at::kFloat && lse.numel() == T * q.size(1), "attend_cascade: outputs");
+#if defined(__AVX512F__)
+  rf_attn32::cascade(q, k_cache, v_cache, shared.data_ptr<int64_t>(), shared.numel(), bp, own.data_ptr<int64_t>(), ofp,
+                     qo, N, scale, o, lse);
+#else
+  TORCH_CHECK(false, "attend_cascade: a CPU with AVX-512");
+#endif
 }

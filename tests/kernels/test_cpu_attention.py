@@ -214,6 +214,42 @@ def test_a_shared_prefix_is_read_where_it_lies_in_the_pool(built, dtype, monkeyp
         attn_cpu.attend_at(q[:1], kc, vc, torch.tensor([5, 3000]), D ** -0.5)
 
 
+@pytest.mark.parametrize("Hq,Hkv,D", [(4, 2, 64), (2, 2, 128)])
+def test_a_group_prefills_in_one_pass_by_the_fp32_kernel(built, Hq, Hkv, D, monkeypatch):
+    """cascade_prefill's groups by attend_cascade (fp32): two groups whose members are not in batch
+    order, a sequence alone beside them, own parts with cached own tokens and own parts longer than
+    the kernel's key blocks (64, 128), against the torch reference; the composition (own parts padded,
+    merged) is not used, and a slot outside the pool is a clear error."""
+    if not cpu_ext.get().attend_takes_fp32():
+        pytest.skip("this CPU has no AVX-512")
+    gen = torch.Generator().manual_seed(8)
+    kc, vc = (torch.randn(4000, Hkv, D, generator=gen) for _ in range(2))
+    perm = torch.randperm(4000, generator=gen)
+    shared = [perm[:700], perm[700:1000]]
+    # (group, cached own tokens, new tokens); group -1: alone (a 260-token prompt, fresh)
+    seqs = [(0, 0, 100), (1, 5, 3), (0, 130, 70), (-1, 0, 260), (1, 0, 1), (0, 2, 1)]
+    seq_slots, bounds, prefix, at, used = [], [], [], 0, 1000
+    for grp, cached, new in seqs:
+        own = perm[used:used + cached + new]
+        used += cached + new
+        seq_slots.append(own if grp < 0 else torch.cat([shared[grp], own]))
+        prefix.append(len(seq_slots[-1]) - new)
+        bounds.append((at, at + new))
+        at += new
+    groups = [attn_cascade.SharedPrefix(seqs=[5, 2, 0], slots=shared[0]),
+              attn_cascade.SharedPrefix(seqs=[4, 1], slots=shared[1])]
+    q = torch.randn(at, Hq, D, generator=gen)
+    with monkeypatch.context() as m:
+        m.setattr(attn_cascade, "_attend_padded", lambda *a, **k: pytest.fail("composed"))
+        got = attn_cpu.cascade_prefill(q, kc, vc, bounds, seq_slots, prefix, groups, D ** -0.5)
+    want = attn_naive.extend_attention(q, kc, vc, bounds, seq_slots, prefix, D ** -0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    bad = [x.clone() for x in seq_slots]
+    bad[0][-1] = 4000
+    with pytest.raises(RuntimeError, match="outside"):
+        attn_cpu.cascade_prefill(q, kc, vc, bounds, bad, prefix, groups, D ** -0.5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_kernels_kept_scratch_carries_nothing_between_calls(built, dtype):
     """The prefill kernel packs K (and V) into scratch its thread keeps between calls: a large call,
