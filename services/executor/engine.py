@@ -91,6 +91,7 @@ class Engine(RadixExchange):
         self.preempted = 0       # sequences sent back to waiting for want of pages (decode_reserve)
         self.steps = 0
         self.last_compute_s = 0.0   # this step's model run and postprocessing (0: none; the rest of a step is intake and radix)
+        self.last_tokens = 0        # the tokens this step's model run computed
         self.mixed_steps = 0     # prefill steps that carried decode rows
         self.overlapped = 0      # exchanges that travelled while a step computed
         self.counters = {"prompt_tokens_total": 0, "cached_tokens_total": 0, "prefill_tokens_computed_total": 0,
@@ -226,7 +227,7 @@ class Engine(RadixExchange):
 
     def step(self) -> list[tuple[str, SeqOutput]]:
         """One step; returns (output subject, output) for every sequence that advanced or ended."""
-        self.last_compute_s = 0.0
+        self.last_compute_s, self.last_tokens = 0.0, 0
         self._await_burst()
         outs = self._intake()
         if self.cfg.decode_reserve > 0:
@@ -276,6 +277,7 @@ class Engine(RadixExchange):
         self.mixed_steps += plan.mixed
         outs += self._postprocess(plan, toks)
         self.last_compute_s = time.perf_counter() - t0
+        self.last_tokens = sum(plan.extend_lens)
         self.step_seconds["decode" if plan.is_decode else "prefill"].observe(self.last_compute_s)
         return outs
 

@@ -182,7 +182,8 @@ class ExecutorService(Actor):
             t0 = time.perf_counter()
             outs = self.engine.step()
             self.log.debug("step", ms=round((time.perf_counter() - t0) * 1e3, 2),
-                           compute_ms=round(self.engine.last_compute_s * 1e3, 2), outputs=len(outs),
+                           compute_ms=round(self.engine.last_compute_s * 1e3, 2), tokens=self.engine.last_tokens,
+                           outputs=len(outs),
                            running=self.engine.num_running, waiting=self.engine.num_waiting)
             if outs:
                 loop.call_soon_threadsafe(self._outbox.put_nowait, outs)
