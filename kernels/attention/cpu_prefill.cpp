@@ -429,16 +429,21 @@ struct Rows {
   float* m;
   float* l;
   int64_t* last;   // per row: the last key of the current run it sees (-1: none)
+  int64_t* tok;    // per row: its token (q's first index) and query head
+  int64_t* head;
   int64_t n, D;
+
+  // rows [a, b) as a state of their own (what a run over keys only they see takes)
+  Rows sub(int64_t a, int64_t b) const {
+    return Rows{q + a * D, s + a * SB, o + a * D, m + a, l + a, last + a, tok + a, head + a, b - a, D};
+  }
 };
 
-// rows [r0, r0 + n) of a kv head (row r: token t0 + r / G, query head h * G + r % G) into the state
-static void begin(Rows& st, const float* q, int64_t qs0, int64_t qs1, int64_t h, int64_t G, int64_t t0, int64_t r0,
-                  int64_t n) {
+// the n rows named by st.tok / st.head into the state
+static void begin(Rows& st, const float* q, int64_t qs0, int64_t qs1, int64_t n) {
   st.n = n;
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t t = t0 + (r0 + i) / G, g = (r0 + i) % G;
-    const float* src = q + t * qs0 + (h * G + g) * qs1;
+    const float* src = q + st.tok[i] * qs0 + st.head[i] * qs1;
     std::copy(src, src + st.D, st.q + i * st.D);
     st.m[i] = -INFINITY;
     st.l[i] = 0.f;
@@ -498,24 +503,25 @@ static void run(Rows& st, const float* kp, const float* v, int64_t vs, int64_t S
   }
 }
 
-// the state's rows, normalized, into o [T, Hq, D] and their LSE into lse [T, Hq] (rows as begin's)
-static void finish(const Rows& st, float* op, float* lsep, int64_t Hq, int64_t h, int64_t G, int64_t t0, int64_t r0) {
+// the state's rows, normalized, into o [T, Hq, D] and their LSE into lse [T, Hq]
+static void finish(const Rows& st, float* op, float* lsep, int64_t Hq) {
   const int64_t D = st.D;
   for (int64_t i = 0; i < st.n; ++i) {
-    const int64_t t = t0 + (r0 + i) / G, hq = h * G + (r0 + i) % G;
-    float* dst = op + (t * Hq + hq) * D;
+    const int64_t r = st.tok[i] * Hq + st.head[i];
     const float inv = st.l[i] > 0.f ? 1.f / st.l[i] : 0.f;
-    for (int64_t d = 0; d < D; ++d) dst[d] = st.o[i * D + d] * inv;
-    lsep[t * Hq + hq] = st.l[i] > 0.f ? st.m[i] + std::log(st.l[i]) : -INFINITY;
+    for (int64_t d = 0; d < D; ++d) op[r * D + d] = st.o[i * D + d] * inv;
+    lsep[r] = st.l[i] > 0.f ? st.m[i] + std::log(st.l[i]) : -INFINITY;
   }
 }
 
 // a task's scratch, one per thread
 struct TaskBuf {
   std::vector<float> q, s, o, m, l;
-  std::vector<int64_t> last;
-  explicit TaskBuf(int64_t D) : q(QB * D), s(QB * SB), o(QB * D), m(QB), l(QB), last(QB) {}
-  Rows rows(int64_t D) { return Rows{q.data(), s.data(), o.data(), m.data(), l.data(), last.data(), 0, D}; }
+  std::vector<int64_t> last, tok, head;
+  explicit TaskBuf(int64_t D) : q(QB * D), s(QB * SB), o(QB * D), m(QB), l(QB), last(QB), tok(QB), head(QB) {}
+  Rows rows(int64_t D) {
+    return Rows{q.data(), s.data(), o.data(), m.data(), l.data(), last.data(), tok.data(), head.data(), 0, D};
+  }
 };
 
 // K of kv head h at `slots` (or rows 0..S-1) packed into kp, and, where there are slots, its V rows
@@ -557,34 +563,42 @@ static void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     for (int64_t i = next(); i >= 0; i = next()) {
       // causal blocks cost in proportion to their position: the dearest first, so that the threads
       // finish together
-      const int64_t h = i % Hkv, r0 = (nq - 1 - i / Hkv) * QB;
-      begin(st, q.data_ptr<float>(), q.stride(0), q.stride(1), h, G, 0, r0, std::min(QB, T * G - r0));
-      for (int64_t r = 0; r < st.n; ++r) st.last[r] = pos ? std::min(pos[(r0 + r) / G], S - 1) : S - 1;
+      const int64_t h = i % Hkv, r0 = (nq - 1 - i / Hkv) * QB, n = std::min(QB, T * G - r0);
+      for (int64_t r = 0; r < n; ++r) {
+        st.tok[r] = (r0 + r) / G;
+        st.head[r] = h * G + (r0 + r) % G;
+        st.last[r] = pos ? std::min(pos[st.tok[r]], S - 1) : S - 1;
+      }
+      begin(st, q.data_ptr<float>(), q.stride(0), q.stride(1), n);
       if (slots) run(st, kp + h * Sp * D, vg + h * S * D, D, S, Sp, sc);
       else run(st, kp + h * Sp * D, v.data_ptr<float>() + h * v.stride(1), v.stride(0), S, Sp, sc);
-      finish(st, op, lsep, Hq, h, G, 0, r0);
+      finish(st, op, lsep, Hq);
     }
   });
 }
 
-// A group's prefill (cascade.cascade_prefill's groups) in one pass: sequence n's query rows
-// bounds[n] see the shared prefix's S keys at `shared`, then its own keys own[own_off[n]:own_off[n+1]]
-// up to own position q_off[n] + t for its token t, one online softmax over both runs. The
-// composition it replaces (the shared part over all rows, the own parts by torch's padded
-// flash-attention op, a merge by their LSE, and the copies between) cost 13 of 79 ms a layer at 39
-// sequences of 100 tokens over 3,000 shared keys.
+// A group's rows in one pass (cascade.cascade_prefill's groups): sequence n's query rows bounds[n]
+// see the shared prefix's S keys at `shared`, then its own keys own[own_off[n]:own_off[n+1]] up to
+// own position q_off[n] + t for its token t, one online softmax over both runs. Tasks take QB rows
+// of the group in order across sequences: the shared run for all of them, then each sequence's own
+// run for its rows. The composition it replaces (the shared part over all rows, the own parts
+// apart, a merge by their LSE, and the copies between) cost 13 of 84 ms a layer at 39 sequences of
+// 100 tokens over 3,000 shared keys. (Not for decode: a decode row's ~110 own keys, packed here for
+// one use, cost more than cpu_decode.cpp reading them in place: 39 rows over a 2,992-key prefix
+// took 1.9 ms a layer this way against 1.6 composed, median of 15.)
 static void cascade(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* shared, int64_t S,
                     const int64_t* bounds, const int64_t* own, const int64_t* own_off, const int64_t* q_off, int64_t N,
                     double scale, at::Tensor& o, at::Tensor& lse) {
   const int64_t Hq = q.size(1), D = q.size(2), Hkv = k.size(1), G = Hq / Hkv;
   const int64_t Sp = (S + KB - 1) / KB * KB;
-  // packed own K of sequence n at kof[n] (a kv head's: + h * its Sp * D), V rows at vof[n]
-  std::vector<int64_t> kof(N + 1, Hkv * Sp * D), vof(N + 1, Hkv * S * D), task0(N + 1, 0);
+  // packed own K of sequence n at kof[n] (a kv head's: + h * its Lp * D), V rows at vof[n]; its
+  // rows from row0[n] in the group's order
+  std::vector<int64_t> kof(N + 1, Hkv * Sp * D), vof(N + 1, Hkv * S * D), row0(N + 1, 0);
   for (int64_t n = 0; n < N; ++n) {
     const int64_t L = own_off[n + 1] - own_off[n];
-    kof[n + 1] = kof[n] + Hkv * (L + KB - 1) / KB * KB * D;
+    kof[n + 1] = kof[n] + Hkv * ((L + KB - 1) / KB * KB) * D;
     vof[n + 1] = vof[n] + Hkv * L * D;
-    task0[n + 1] = task0[n] + Hkv * (((bounds[2 * n + 1] - bounds[2 * n]) * G + QB - 1) / QB);
+    row0[n + 1] = row0[n] + (bounds[2 * n + 1] - bounds[2 * n]) * G;
   }
   const rf_attn::Scratch<0> ks(kof[N]);
   const rf_attn::Scratch<1> vs(vof[N]);
@@ -603,21 +617,32 @@ static void cascade(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   float* op = o.data_ptr<float>();
   float* lsep = lse.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  shared_for(task0[N], [&](auto next) {
+  const int64_t tiles = (row0[N] + QB - 1) / QB;
+  shared_for(Hkv * tiles, [&](auto next) {
     TaskBuf buf(D);
     Rows st = buf.rows(D);
+    std::vector<int64_t> seq(QB);
     int64_t n = 0;
     for (int64_t i = next(); i >= 0; i = next()) {
-      while (task0[n + 1] <= i) ++n;                         // a thread's tasks come in increasing order
-      const int64_t t0 = bounds[2 * n], E = bounds[2 * n + 1] - t0, nb = (task0[n + 1] - task0[n]) / Hkv;
-      const int64_t h = (i - task0[n]) / nb, r0 = (i - task0[n]) % nb * QB;
-      const int64_t L = own_off[n + 1] - own_off[n], Lp = (L + KB - 1) / KB * KB;
-      begin(st, q.data_ptr<float>(), q.stride(0), q.stride(1), h, G, t0, r0, std::min(QB, E * G - r0));
-      std::fill(st.last, st.last + st.n, S - 1);
+      const int64_t h = i % Hkv, R0 = i / Hkv * QB, rows = std::min(QB, row0[N] - R0);
+      if (row0[n] > R0) n = 0;                               // (a thread's tiles come in order: rarely)
+      for (int64_t r = 0; r < rows; ++r) {
+        while (row0[n + 1] <= R0 + r) ++n;
+        const int64_t local = R0 + r - row0[n];
+        seq[r] = n;
+        st.tok[r] = bounds[2 * n] + local / G;
+        st.head[r] = h * G + local % G;
+        st.last[r] = S - 1;
+      }
+      begin(st, q.data_ptr<float>(), q.stride(0), q.stride(1), rows);
       run(st, kp + h * Sp * D, vg + h * S * D, D, S, Sp, sc);
-      for (int64_t r = 0; r < st.n; ++r) st.last[r] = std::min(q_off[n] + (r0 + r) / G, L - 1);
-      run(st, kp + kof[n] + h * Lp * D, vg + vof[n] + h * L * D, D, L, Lp, sc);
-      finish(st, op, lsep, Hq, h, G, t0, r0);
+      for (int64_t a = 0, b; a < rows; a = b) {             // each sequence's rows over its own keys
+        const int64_t m = seq[a], L = own_off[m + 1] - own_off[m], Lp = (L + KB - 1) / KB * KB;
+        for (b = a; b < rows && seq[b] == m; ++b) st.last[b] = std::min(q_off[m] + (R0 + b - row0[m]) / G, L - 1);
+        Rows part = st.sub(a, b);
+        run(part, kp + kof[m] + h * Lp * D, vg + vof[m] + h * L * D, D, L, Lp, sc);
+      }
+      finish(st, op, lsep, Hq);
     }
   });
 }
