@@ -334,3 +334,35 @@ def test_a_long_prompt_does_not_wait_for_an_announced_burst(models):
             engine_mod.time.sleep = sleep
         assert [o.rid for _, o in outs] == ["long"]
         assert (not waited) == long
+
+
+def test_a_mixed_prefill_leaves_no_remainder_step_of_a_few_tokens():
+    """Chunked prefill beside decode rows: the last chunk may run up to an eighth over the mixed budget
+    rather than leave a few tokens to a step of their own (an agent's 38 siblings went as 2,048 +
+    2,048 + 66); a prefill well over the budget is still cut at it."""
+    from radixflow.services.executor.batcher import Batcher
+    from radixflow.services.executor.sequence import Sequence
+
+    def batcher(prompt_lens: list[int]) -> Batcher:
+        b = Batcher(pool="p", max_running=64, max_prefill_tokens=8192, mixed_chunk_tokens=256)
+        dec = Sequence(rid="d", tokens=list(range(10)), sampling=SamplingParams(), eos_ids=frozenset())
+        dec.computed_len = dec.prefill_len          # decoding
+        b.running.append(dec)
+        for i, n in enumerate(prompt_lens):
+            b.running.append(Sequence(rid=f"p{i}", tokens=list(range(n)), sampling=SamplingParams(), eos_ids=frozenset()))
+        return b
+
+    def chunks(b: Batcher) -> list[int]:
+        out = []
+        while (plan := b.schedule()) is not None and not plan.is_decode:
+            assert plan.mixed and "d" in [s.rid for s in plan.seqs]     # the decode rows ride along
+            out.append(sum(n for s, n in zip(plan.seqs, plan.extend_lens) if s.computed_len < s.prefill_len))
+            for s, n in zip(plan.seqs, plan.extend_lens):
+                if s.computed_len < s.prefill_len:
+                    s.computed_len += n
+        return out
+
+    # the budget is 256 less the decode rows (one, then those done prefilling): 255, and an eighth 31
+    assert chunks(batcher([100, 100, 70])) == [270]          # 15 over: one step
+    assert chunks(batcher([100, 100, 100])) == [255, 45]     # 45 over: cut at the budget
+    assert chunks(batcher([200, 200, 140])) == [255, 285]    # the rest 30 over: no third step
