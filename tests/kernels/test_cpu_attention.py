@@ -12,6 +12,13 @@ from radixflow.kernels.attention import cpu as attn_cpu
 from radixflow.kernels.attention import naive as attn_naive
 
 
+def _needs_prefill_kernel(dtype: torch.dtype) -> None:
+    """Skip where this CPU has no form of the prefill kernel for `dtype`."""
+    ext = cpu_ext.get()
+    if not (ext.attend_takes_bf16() if dtype == torch.bfloat16 else ext.attend_takes_fp32()):
+        pytest.skip(f"this CPU has no {'AVX512-BF16' if dtype == torch.bfloat16 else 'AVX-512'}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("Hq,Hkv,D", [(4, 2, 64), (3, 1, 40), (2, 2, 24)])
 def test_decode_attention_matches_the_reference(built, dtype, Hq, Hkv, D, monkeypatch):
@@ -118,9 +125,7 @@ def test_attend_by_the_kernel_matches_the_reference(built, T, S, mask, G, D, dty
     4, q a strided view of a projection's output (as the layer hands it), K/V views of a pool.
     "blind": rows that see no key at all (position -1: o = 0, lse = -inf, as the reference's
     all-masked rows are not defined)."""
-    ext = cpu_ext.get()
-    if not (ext.attend_takes_bf16() if dtype == torch.bfloat16 else ext.attend_takes_fp32()):
-        pytest.skip(f"this CPU has no {'AVX512-BF16' if dtype == torch.bfloat16 else 'AVX-512'}")
+    _needs_prefill_kernel(dtype)
     gen = torch.Generator().manual_seed(T * S + D)
     Hkv = 2
     Hq = Hkv * G
@@ -150,9 +155,7 @@ def test_prefill_attention_by_the_kernel_matches_the_reference(built, dtype, mon
     """extend_attention and cascade_prefill through the kernel, against their torch forms: a fresh
     sequence (square causal), one after a cached prefix, and a group of three sharing a prefix of
     pages scattered over the pool, with own parts of different lengths."""
-    ext = cpu_ext.get()
-    if not (ext.attend_takes_bf16() if dtype == torch.bfloat16 else ext.attend_takes_fp32()):
-        pytest.skip("this CPU has no AVX-512 form for this dtype")
+    _needs_prefill_kernel(dtype)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     gen = torch.Generator().manual_seed(11)
     Hq, Hkv, D = 4, 2, 64
@@ -191,9 +194,7 @@ def test_a_shared_prefix_is_read_where_it_lies_in_the_pool(built, dtype, monkeyp
     """A group's prefix scattered over the pool (no contiguous run: start -1) is read by the kernel
     through its slots, never gathered (SharedPrefix.kv), in cascade prefill and decode alike; the
     result is the gathered prefix's, and a slot outside the pool is a clear error."""
-    ext = cpu_ext.get()
-    if not (ext.attend_takes_bf16() if dtype == torch.bfloat16 else ext.attend_takes_fp32()):
-        pytest.skip("this CPU has no AVX-512 form for this dtype")
+    _needs_prefill_kernel(dtype)
     gen = torch.Generator().manual_seed(21)
     Hq, Hkv, D = 4, 2, 64
     kc, vc = (torch.randn(3000, Hkv, D, generator=gen).to(dtype) for _ in range(2))
@@ -255,9 +256,7 @@ def test_the_kernels_kept_scratch_carries_nothing_between_calls(built, dtype):
     """The prefill kernel packs K (and V) into scratch its thread keeps between calls: a large call,
     then a smaller one (the buffer holds the large one's keys past the small one's end), then the
     large one again, each match the reference and a repeated call is bit-identical."""
-    ext = cpu_ext.get()
-    if not (ext.attend_takes_bf16() if dtype == torch.bfloat16 else ext.attend_takes_fp32()):
-        pytest.skip("this CPU has no AVX-512 form for this dtype")
+    _needs_prefill_kernel(dtype)
     gen = torch.Generator().manual_seed(5)
     Hq, Hkv, D = 4, 2, 64
     kc, vc = (torch.randn(4000, Hkv, D, generator=gen).to(dtype) for _ in range(2))
