@@ -625,7 +625,7 @@ static void cascade(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     int64_t n = 0;
     for (int64_t i = next(); i >= 0; i = next()) {
       const int64_t h = i % Hkv, R0 = i / Hkv * QB, rows = std::min(QB, row0[N] - R0);
-      if (row0[n] > R0) n = 0;                               // (a thread's tiles come in order: rarely)
+      if (row0[n] > R0) n = 0;     // a guard: a thread takes its tasks in increasing order, n only moves on
       for (int64_t r = 0; r < rows; ++r) {
         while (row0[n + 1] <= R0 + r) ++n;
         const int64_t local = R0 + r - row0[n];
