@@ -28,7 +28,7 @@ SOURCES = [_HERE / "elementwise" / "cpu_fused.cpp", _HERE / "gated_delta_rule" /
            _HERE / "attention" / "cpu_decode.cpp", _HERE / "attention" / "cpu_prefill.cpp",
            _HERE / "linear" / "cpu_gemm.cpp"]
 FUNCTIONS = ["gdr_decode_depths", "gdr_prefill", "conv_update_depths", "conv_prefill", "silu_mul",
-             "silu_mul_takes_bf16", "rms_norm", "gated_rms_norm", "apply_bitmask", "decode_rows", "attend_prefill",
+             "silu_mul_takes_bf16", "rms_norm", "add_rms_norm", "gated_rms_norm", "apply_bitmask", "decode_rows", "attend_prefill",
              "attend_takes_bf16", "attend_takes_fp32", "attend_cascade", "rotary", "linear_takes_bf16", "linear_takes_fp32", "linear_pack", "linear_packed"]
 
 _lock = threading.Lock()
@@ -78,6 +78,8 @@ def _load():
              "void silu_mul(const at::Tensor& h, at::Tensor& out);\n"
              "bool silu_mul_takes_bf16();\n"
              "void rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool cast_first, at::Tensor& out);\n"
+             "void add_rms_norm(at::Tensor& x, const at::Tensor& r, const at::Tensor& w, double eps, bool cast_first, "
+             "at::Tensor& out);\n"
              "void gated_rms_norm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& w, double eps, "
              "at::Tensor& out);\n"
              "void apply_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows, "

@@ -55,6 +55,7 @@ class Kernels:
     # the layers' elementwise ops and a grammar's bitmask on CPU logits: torch's everywhere but in
     # the cpu kernels (a Triton runner's logits are on the device: constrain.apply_bitmask_device)
     rms_norm: Callable = _ew.rms_norm
+    add_rms_norm: Callable = _ew.add_rms_norm
     silu_mul: Callable = _ew.silu_mul
     gated_rms_norm: Callable = _ew.gated_rms_norm
     apply_bitmask: Callable = _bitmask.apply_bitmask
@@ -86,7 +87,7 @@ def cpu_kernels() -> Kernels:
     from .elementwise import cpu as ew
     from .gated_delta_rule import cpu as gdr
     from .linear import cpu as linear
-    return dataclasses.replace(reference(), name="cpu", rms_norm=ew.rms_norm, silu_mul=ew.silu_mul,
+    return dataclasses.replace(reference(), name="cpu", rms_norm=ew.rms_norm, add_rms_norm=ew.add_rms_norm, silu_mul=ew.silu_mul,
                                linear=linear.linear, linear_silu_mul=linear.linear_silu_mul,
                                gated_rms_norm=ew.gated_rms_norm, apply_bitmask=bitmask.apply_bitmask, rotary=ew.rotary,
                                decode_attention=attention.decode_attention, cascade_decode=attention.cascade_decode,

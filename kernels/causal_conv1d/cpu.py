@@ -41,7 +41,8 @@ def causal_conv1d_prefill_slots(x: torch.Tensor, out: torch.Tensor, pool: torch.
     # the SiLU fused; anything else through an fp32 copy
     direct = out.dtype in (torch.float32, torch.bfloat16) and out.is_contiguous()
     y = out if direct else torch.empty(out.shape, dtype=torch.float32)
-    ext.conv_prefill(x.to(y.dtype).contiguous(), y, pool, weight.float().contiguous(),
+    xin = x if x.dtype == y.dtype and x.stride(-1) == 1 else x.to(y.dtype).contiguous()   # a split: its rows as they lie
+    ext.conv_prefill(xin, y, pool, weight.float().contiguous(),
                      *prefill_rows(bounds, slots, taps, pool.device), activation is not None)
     if not direct:
         # the copy out over the sequences' rows only: the others (a mixed step's decode rows) are
@@ -59,7 +60,8 @@ def _run(ext, x, pool, weight, slots, counts, activation, keep):
     offsets, lens, soff, kept = depth_rows(tuple(counts), pool.device)
     y = torch.empty(x.shape, dtype=torch.float32)
     saved = pool.new_empty(kept if keep else 0, *pool.shape[1:])
-    ext.conv_update_depths(x.float().contiguous(), pool, weight.float().contiguous(), slots.contiguous(), offsets,
+    xin = x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
+    ext.conv_update_depths(xin, pool, weight.float().contiguous(), slots.contiguous(), offsets,
                            lens, y, saved, soff, activation is not None)
     # saved holds depth 0's kept states, then depth 1's, ...: saved[d] has counts[d + 1] of them
     return y.to(x.dtype), list(saved.split(counts[1:])) if keep else []

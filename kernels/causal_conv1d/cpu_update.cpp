@@ -4,7 +4,8 @@
 // read where they live, every depth of the sequence runs on them in registers, and they are
 // written back once.
 //
-// x: [T, C] fp32, rows depth-major: sequence n's row at depth d is offsets[d] + n, d < lens[n]
+// x: [T, C] fp32 (rows of any stride), rows depth-major: sequence n's row at depth d is offsets[d] + n,
+//    d < lens[n]
 // pool: [P, C, W-1] fp32 contiguous, updated in place at slots ([N] int64)
 // weight: [C, W] fp32;  y: [T, C] fp32 written (SiLU applied when `silu`)
 // saved: [S, C, W-1] fp32 or empty: the state of sequence n after depth d goes to row soff[d] + n
@@ -15,10 +16,23 @@
 #include <algorithm>
 #include <cmath>
 
+#ifdef RF_BF16_VECTOR
+template <bool silu>
+static void conv4_update16(const at::Tensor& x, at::Tensor& pool, const at::Tensor& weight, const at::Tensor& slots,
+                           const at::Tensor& offsets, const at::Tensor& lens, at::Tensor& y, at::Tensor& saved,
+                           const at::Tensor& soff);
+#endif
+
 void conv_update_depths(const at::Tensor& x, at::Tensor& pool, const at::Tensor& weight, const at::Tensor& slots,
                         const at::Tensor& offsets, const at::Tensor& lens, at::Tensor& y, at::Tensor& saved,
                         const at::Tensor& soff, bool silu) {
-  const int64_t N = slots.size(0), C = x.size(1), W = weight.size(1), M = W - 1;
+#ifdef RF_BF16_VECTOR
+  if (weight.size(1) == 4 && x.size(1) % 16 == 0) {
+    if (silu) return conv4_update16<true>(x, pool, weight, slots, offsets, lens, y, saved, soff);
+    return conv4_update16<false>(x, pool, weight, slots, offsets, lens, y, saved, soff);
+  }
+#endif
+  const int64_t N = slots.size(0), C = x.size(1), W = weight.size(1), M = W - 1, xs = x.stride(0);
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   const int64_t *sl = slots.data_ptr<int64_t>(), *off = offsets.data_ptr<int64_t>(), *ln = lens.data_ptr<int64_t>();
   const int64_t* so = soff.data_ptr<int64_t>();
@@ -33,7 +47,7 @@ void conv_update_depths(const at::Tensor& x, at::Tensor& pool, const at::Tensor&
         const float* w = wp + c * W;
         for (int64_t d = 0; d < ln[n]; ++d) {
           const int64_t r = off[d] + n;
-          const float xin = xp[r * C + c];
+          const float xin = xp[r * xs + c];
           float a = w[M] * xin;
           for (int64_t j = 0; j < M; ++j) a += w[j] * s[j];
           for (int64_t j = 0; j + 1 < M; ++j) s[j] = s[j + 1];     // shift: drop the oldest input
@@ -51,13 +65,14 @@ void conv_update_depths(const at::Tensor& x, at::Tensor& pool, const at::Tensor&
 // it leaves there; taps as in gdr_prefill (tap_at[j] tokens in: pool[tap_dst[j]] = the W-1 inputs
 // before token tap_at[j]). Tasks are (sequence, block of channels); token by token, the block's
 // channels side by side (contiguous in x and y), their windows in a small local array.
-// x and y in the model's dtype (fp32 or bf16: F32 / BF16 of elementwise/cpu_fused.cpp, built
+// x (rows of any stride) and y in the model's dtype (fp32 or bf16: F32 / BF16 of elementwise/cpu_fused.cpp, built
 // before this file), the conv and the SiLU (when `silu`) in fp32, y rounded once: one pass over
 // the rows, where casting x to fp32, a separate SiLU and casting back were four.
 // The prefill forms' arguments as pointers (both read them alike).
 template <typename S>
 struct Rows {
   const S* xp;
+  int64_t xs;     // x's row stride: the in-projection's output split, read where it lies
   S* yp;
   float* pp;
   const float* wp;
@@ -65,7 +80,7 @@ struct Rows {
   Rows(const at::Tensor& x, at::Tensor& y, at::Tensor& pool, const at::Tensor& weight, const at::Tensor& starts,
        const at::Tensor& ends, const at::Tensor& slots, const at::Tensor& tap_lo, const at::Tensor& tap_at,
        const at::Tensor& tap_dst)
-      : xp(reinterpret_cast<const S*>(x.data_ptr())), yp(reinterpret_cast<S*>(y.data_ptr())),
+      : xp(reinterpret_cast<const S*>(x.data_ptr())), xs(x.stride(0)), yp(reinterpret_cast<S*>(y.data_ptr())),
         pp(pool.data_ptr<float>()), wp(weight.data_ptr<float>()), st(starts.data_ptr<int64_t>()),
         en(ends.data_ptr<int64_t>()), sl(slots.data_ptr<int64_t>()), tl(tap_lo.data_ptr<int64_t>()),
         ta(tap_at.data_ptr<int64_t>()), td(tap_dst.data_ptr<int64_t>()) {}
@@ -93,7 +108,7 @@ static void conv_prefill_impl(const at::Tensor& x, at::Tensor& y, at::Tensor& po
       }
       int64_t j = r.tl[n];
       for (int64_t t = r.st[n]; t < r.en[n]; ++t) {
-        const S* __restrict__ xr = r.xp + t * C + c0;
+        const S* __restrict__ xr = r.xp + t * r.xs + c0;
         S* __restrict__ yr = r.yp + t * C + c0;
         for (int64_t c = 0; c < B; ++c) xin[c] = IO::load(xr[c]);
         for (int64_t c = 0; c < B; ++c) {
@@ -130,13 +145,16 @@ static inline __m512 conv_ld16(const uint16_t* p) { return load_bf16x16(p); }
 static inline void conv_st16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 static inline void conv_st16(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16x16(v)); }
 
-template <typename IO, bool silu>
+// A task is G blocks of 16 channels side by side (64 channels: a row's 256 bytes, whole cache lines,
+// where x is the in-projection's split and its rows are not line-aligned; one block a task read
+// half-lines twice, 1.4x slower than copying x first).
+template <typename IO, bool silu, int G>
 static void conv4_prefill16(const at::Tensor& x, at::Tensor& y, at::Tensor& pool, const at::Tensor& weight,
                             const at::Tensor& starts, const at::Tensor& ends, const at::Tensor& slots,
                             const at::Tensor& tap_lo, const at::Tensor& tap_at, const at::Tensor& tap_dst) {
   using S = typename IO::S;
   constexpr int W = 4, M = 3, L = 16;
-  const int64_t N = slots.size(0), C = x.size(1), blocks = C / L;
+  const int64_t N = slots.size(0), C = x.size(1), blocks = C / (L * G);
   const Rows<S> r(x, y, pool, weight, starts, ends, slots, tap_lo, tap_at, tap_dst);
   // lane c of the window vectors: channel c0 + c, whose M carried inputs are contiguous in the pool
   const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
@@ -145,29 +163,101 @@ static void conv4_prefill16(const at::Tensor& x, at::Tensor& y, at::Tensor& pool
                                             _mm512_set1_epi32(W));
   at::parallel_for(0, N * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t n = task / blocks, c0 = (task % blocks) * L;
+      const int64_t n = task / blocks, c0 = (task % blocks) * L * G;
       float* s = r.pp + (r.sl[n] * C + c0) * M;
       const float* w = r.wp + c0 * W;
+      __m512 w0[G], w1[G], w2[G], w3[G], a0[G], a1[G], a2[G];
+      for (int g = 0; g < G; ++g) {
+        const float* wg = w + g * L * W;
+        const float* sg = s + g * L * M;
+        w0[g] = _mm512_i32gather_ps(wlanes, wg, 4);
+        w1[g] = _mm512_i32gather_ps(wlanes, wg + 1, 4);
+        w2[g] = _mm512_i32gather_ps(wlanes, wg + 2, 4);
+        w3[g] = _mm512_i32gather_ps(wlanes, wg + 3, 4);
+        a0[g] = _mm512_i32gather_ps(lanes, sg, 4);
+        a1[g] = _mm512_i32gather_ps(lanes, sg + 1, 4);
+        a2[g] = _mm512_i32gather_ps(lanes, sg + 2, 4);
+      }
+      int64_t j = r.tl[n];
+      for (int64_t t = r.st[n]; t < r.en[n]; ++t) {
+        const S* xr = r.xp + t * r.xs + c0;
+        S* yr = r.yp + t * C + c0;
+        for (int g = 0; g < G; ++g) {
+          const __m512 xin = conv_ld16(xr + g * L);
+          __m512 acc = _mm512_fmadd_ps(w0[g], a0[g], _mm512_fmadd_ps(w1[g], a1[g], _mm512_fmadd_ps(w2[g], a2[g], _mm512_mul_ps(w3[g], xin))));
+          if (silu)
+            acc = _mm512_div_ps(acc, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_fast16(_mm512_sub_ps(_mm512_setzero_ps(), acc))));
+          conv_st16(yr + g * L, acc);
+          a0[g] = a1[g];
+          a1[g] = a2[g];
+          a2[g] = xin;
+        }
+        if (j < r.tl[n + 1] && r.ta[j] == t + 1 - r.st[n]) {
+          for (int g = 0; g < G; ++g) {
+            float* d = r.pp + (r.td[j] * C + c0 + g * L) * M;
+            _mm512_i32scatter_ps(d, lanes, a0[g], 4);
+            _mm512_i32scatter_ps(d + 1, lanes, a1[g], 4);
+            _mm512_i32scatter_ps(d + 2, lanes, a2[g], 4);
+          }
+          ++j;
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        float* sg = s + g * L * M;
+        _mm512_i32scatter_ps(sg, lanes, a0[g], 4);
+        _mm512_i32scatter_ps(sg + 1, lanes, a1[g], 4);
+        _mm512_i32scatter_ps(sg + 2, lanes, a2[g], 4);
+      }
+    }
+  });
+}
+
+// The decode update (and a jump-forward step's depths) in the same registers: a sequence's window
+// is gathered from its slot once, every depth of it runs on the three vectors, and it is scattered
+// back once. The loop above, a scalar exp per channel among them, took ~0.2 ms a layer of a
+// 40-row step of Qwen3.5's 512 channels, several times this. The same arithmetic as
+// conv4_prefill16, so that a token decoded and the same token prefilled come out alike.
+template <bool silu>
+static void conv4_update16(const at::Tensor& x, at::Tensor& pool, const at::Tensor& weight, const at::Tensor& slots,
+                           const at::Tensor& offsets, const at::Tensor& lens, at::Tensor& y, at::Tensor& saved,
+                           const at::Tensor& soff) {
+  constexpr int W = 4, M = 3, L = 16;
+  const int64_t N = slots.size(0), C = x.size(1), blocks = C / L, xs = x.stride(0);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const int64_t *sl = slots.data_ptr<int64_t>(), *off = offsets.data_ptr<int64_t>(), *ln = lens.data_ptr<int64_t>();
+  const int64_t* so = soff.data_ptr<int64_t>();
+  float* pp = pool.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  float* sp = saved.numel() ? saved.data_ptr<float>() : nullptr;
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(M));
+  const __m512i wlanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(W));
+  at::parallel_for(0, N * blocks, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / blocks, c0 = (task % blocks) * L;
+      float* s = pp + (sl[n] * C + c0) * M;
+      const float* w = wp + c0 * W;
       const __m512 w0 = _mm512_i32gather_ps(wlanes, w, 4), w1 = _mm512_i32gather_ps(wlanes, w + 1, 4),
                    w2 = _mm512_i32gather_ps(wlanes, w + 2, 4), w3 = _mm512_i32gather_ps(wlanes, w + 3, 4);
       __m512 a0 = _mm512_i32gather_ps(lanes, s, 4), a1 = _mm512_i32gather_ps(lanes, s + 1, 4),
              a2 = _mm512_i32gather_ps(lanes, s + 2, 4);
-      int64_t j = r.tl[n];
-      for (int64_t t = r.st[n]; t < r.en[n]; ++t) {
-        const __m512 xin = conv_ld16(r.xp + t * C + c0);
+      for (int64_t d = 0; d < ln[n]; ++d) {
+        const int64_t r = off[d] + n;
+        const __m512 xin = _mm512_loadu_ps(xp + r * xs + c0);
         __m512 acc = _mm512_fmadd_ps(w0, a0, _mm512_fmadd_ps(w1, a1, _mm512_fmadd_ps(w2, a2, _mm512_mul_ps(w3, xin))));
         if (silu)
           acc = _mm512_div_ps(acc, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_fast16(_mm512_sub_ps(_mm512_setzero_ps(), acc))));
-        conv_st16(r.yp + t * C + c0, acc);
+        _mm512_storeu_ps(yp + r * C + c0, acc);
         a0 = a1;
         a1 = a2;
         a2 = xin;
-        if (j < r.tl[n + 1] && r.ta[j] == t + 1 - r.st[n]) {
-          float* d = r.pp + (r.td[j] * C + c0) * M;
-          _mm512_i32scatter_ps(d, lanes, a0, 4);
-          _mm512_i32scatter_ps(d + 1, lanes, a1, 4);
-          _mm512_i32scatter_ps(d + 2, lanes, a2, 4);
-          ++j;
+        if (sp != nullptr && d + 1 < ln[n]) {
+          float* k = sp + ((so[d] + n) * C + c0) * M;
+          _mm512_i32scatter_ps(k, lanes, a0, 4);
+          _mm512_i32scatter_ps(k + 1, lanes, a1, 4);
+          _mm512_i32scatter_ps(k + 2, lanes, a2, 4);
         }
       }
       _mm512_i32scatter_ps(s, lanes, a0, 4);
@@ -183,10 +273,15 @@ static void conv_prefill_io(const at::Tensor& x, at::Tensor& y, at::Tensor& pool
                             const at::Tensor& starts, const at::Tensor& ends, const at::Tensor& slots,
                             const at::Tensor& tap_lo, const at::Tensor& tap_at, const at::Tensor& tap_dst, bool silu) {
 #ifdef RF_BF16_VECTOR
+  if (weight.size(1) == 4 && x.size(1) % 64 == 0) {
+    if (silu)
+      return conv4_prefill16<IO, true, 4>(x, y, pool, weight, starts, ends, slots, tap_lo, tap_at, tap_dst);
+    return conv4_prefill16<IO, false, 4>(x, y, pool, weight, starts, ends, slots, tap_lo, tap_at, tap_dst);
+  }
   if (weight.size(1) == 4 && x.size(1) % 16 == 0) {
     if (silu)
-      return conv4_prefill16<IO, true>(x, y, pool, weight, starts, ends, slots, tap_lo, tap_at, tap_dst);
-    return conv4_prefill16<IO, false>(x, y, pool, weight, starts, ends, slots, tap_lo, tap_at, tap_dst);
+      return conv4_prefill16<IO, true, 1>(x, y, pool, weight, starts, ends, slots, tap_lo, tap_at, tap_dst);
+    return conv4_prefill16<IO, false, 1>(x, y, pool, weight, starts, ends, slots, tap_lo, tap_at, tap_dst);
   }
 #endif
   conv_prefill_impl<IO>(x, y, pool, weight, starts, ends, slots, tap_lo, tap_at, tap_dst, silu);

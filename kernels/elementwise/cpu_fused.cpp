@@ -189,22 +189,28 @@ bool silu_mul_takes_bf16() {
 // 1 + weight for a zero-centered norm); CAST_FIRST: the normalized row is stored in the dtype
 // before the weight multiplies it (Qwen3's order). GATED: then times silu(z) (the gated norm of a
 // DeltaNet head's output, its first product stored in the dtype).
-template <typename IO, bool CAST_FIRST, bool GATED>
+// ADD: x += z first, in place (the residual stream's sum, stored in the dtype as torch's add stores
+// it), and the sum normalized: the pre-norm blocks' add and norm in one pass (z: what a block adds).
+template <typename IO, bool CAST_FIRST, bool GATED, bool ADD = false>
 static void norm_rows(const at::Tensor& x, const at::Tensor* z, const at::Tensor& w, double eps, at::Tensor& out) {
   using S = typename IO::S;
   const int64_t A = x.size(0), B = x.size(1), D = x.size(2);
   const int64_t sa = x.stride(0), sb = x.stride(1);
-  const int64_t za = GATED ? z->stride(0) : 0, zb = GATED ? z->stride(1) : 0;
-  const S* xp = reinterpret_cast<const S*>(x.data_ptr());
-  const S* zp = GATED ? reinterpret_cast<const S*>(z->data_ptr()) : nullptr;
+  const int64_t za = GATED || ADD ? z->stride(0) : 0, zb = GATED || ADD ? z->stride(1) : 0;
+  S* xp = reinterpret_cast<S*>(x.data_ptr());
+  const S* zp = GATED || ADD ? reinterpret_cast<const S*>(z->data_ptr()) : nullptr;
   const float* __restrict__ wp = w.data_ptr<float>();
   S* op = reinterpret_cast<S*>(out.data_ptr());
   const float e = static_cast<float>(eps);
   at::parallel_for(0, A * B, std::max<int64_t>(1, 8192 / std::max<int64_t>(D, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t a = r / B, b = r % B;
-      const S* __restrict__ xr = xp + a * sa + b * sb;
+      S* __restrict__ xr = xp + a * sa + b * sb;
       S* __restrict__ o = op + r * D;
+      if constexpr (ADD) {
+        const S* __restrict__ zr = zp + a * za + b * zb;
+        for (int64_t d = 0; d < D; ++d) xr[d] = IO::store(IO::load(xr[d]) + IO::load(zr[d]));
+      }
       // 16 partial sums: a float sum in one accumulator is a chain GCC may not reorder (nor vectorize)
       float part[16] = {};
       int64_t d0 = 0;
@@ -238,6 +244,12 @@ void rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool cast_fi
   if (x.scalar_type() != at::kBFloat16) return norm_rows<F32, false, false>(x, nullptr, w, eps, out);
   if (cast_first) return norm_rows<BF16, true, false>(x, nullptr, w, eps, out);
   norm_rows<BF16, false, false>(x, nullptr, w, eps, out);
+}
+
+void add_rms_norm(at::Tensor& x, const at::Tensor& r, const at::Tensor& w, double eps, bool cast_first, at::Tensor& out) {
+  if (x.scalar_type() != at::kBFloat16) return norm_rows<F32, false, false, true>(x, &r, w, eps, out);
+  if (cast_first) return norm_rows<BF16, true, false, true>(x, &r, w, eps, out);
+  norm_rows<BF16, false, false, true>(x, &r, w, eps, out);
 }
 
 void gated_rms_norm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& w, double eps, at::Tensor& out) {

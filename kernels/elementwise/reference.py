@@ -21,6 +21,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     return weight * x.to(dtype)
 
 
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float,
+                 zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream's step of a pre-norm block: x += r in place (in x's dtype, as x + r), then
+    rms_norm of the sum. x, r [..., D] of one shape; returns (x, the norm)."""
+    x += r
+    return x, rms_norm(x, weight, eps, zero_centered)
+
+
 def silu_mul(h: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation: h [T, 2I] = [gate | up] -> silu(gate) * up [T, I], in h's dtype."""
     gate, up = h.chunk(2, dim=-1)

@@ -84,11 +84,13 @@ def test_gated_delta_rule_decode_reads_the_layers_views(built, counts, dtype, mo
 
 
 @pytest.mark.parametrize("counts", DEPTHS)
-@pytest.mark.parametrize("W", [2, 4])
-def test_conv_update_depths_match_the_reference(built, counts, W):
-    T, N, C = sum(counts), counts[0], 40
+@pytest.mark.parametrize("W,C", [(2, 40), (4, 40), (4, 48)])
+def test_conv_update_depths_match_the_reference(built, counts, W, C):
+    """40 channels: the generic loop; width 4 and 48: whole 16-lane blocks, the AVX-512 form where
+    the CPU has it. x a view with a row stride (the in-projection's output split), read as it lies."""
+    T, N = sum(counts), counts[0]
     gen = torch.Generator().manual_seed(W)
-    x, weight = torch.randn(T, C, generator=gen), torch.randn(C, W, generator=gen)
+    x, weight = torch.randn(T, C + 24, generator=gen)[:, 8:8 + C], torch.randn(C, W, generator=gen)
     slots = torch.randperm(2 * N)[:N]
     pool = torch.randn(2 * N, C, W - 1, generator=gen)
     want_pool, got_pool = pool.clone(), pool.clone()
@@ -194,15 +196,16 @@ def test_gated_delta_rule_prefill_reads_the_layers_views(built, bounds, taps, dt
 @pytest.mark.parametrize("bounds,taps", PREFILLS)
 @pytest.mark.parametrize("dtype,activation", [(torch.float32, "silu"), (torch.bfloat16, "silu"),
                                               (torch.float32, None)])
-@pytest.mark.parametrize("C", [70, 96])
+@pytest.mark.parametrize("C", [70, 96, 128])
 def test_conv_prefill_matches_the_reference(built, bounds, taps, dtype, activation, C, monkeypatch):
     """x and out in the model's dtype, read and written by the kernel as they are (bf16 too), the
     SiLU fused; the rows of no sequence (a mixed step's decode rows: the last two) left alone.
     70 channels: the generic loop (a block of 64 and a rest); 96: whole 16-lane blocks, the
-    AVX-512 form where the CPU has it."""
+    AVX-512 form where the CPU has it; 128: its tasks of four blocks."""
     T, W = max(e for _, e in bounds) + 2, 4
     gen = torch.Generator().manual_seed(T)
-    x, weight = torch.randn(T, C, generator=gen).to(dtype), torch.randn(C, W, generator=gen)
+    # x a view with a row stride, as the layer's split of its in-projection
+    x, weight = torch.randn(T, C + 16, generator=gen).to(dtype)[:, 16:], torch.randn(C, W, generator=gen)
     slots = [3, 0, 6][: len(bounds)]
     pool = torch.randn(14, C, W - 1, generator=gen)
     want_pool, got_pool = pool.clone(), pool.clone()
@@ -234,11 +237,24 @@ def test_fused_elementwise_ops_match_the_reference(built, T, dtype, monkeypatch)
         # silu_mul in bf16 is the 16-lane AVX512-BF16 form; torch's ops elsewhere (faster there)
         assert torch.equal(ew_cpu.silu_mul(h), wants[0])
         cases, wants = cases[1:], wants[1:]
+    # the residual stream's add and norm (x += r in place, then its norm), zero-centered or not; r a
+    # view with row strides (a projection's output split)
+    stream = torch.randn(T, 80, generator=gen).to(dtype)
+    sums = []
+    for zc in (False, True):
+        want_sum, want = ew_ref.add_rms_norm(stream.clone(), proj[:, :80], w, 1e-6, zc)
+        sums.append(want_sum)
+        cases.append(("add_rms_norm", (stream.clone(), proj[:, :80], w, 1e-6, zc)))
+        wants.append(want)
     with monkeypatch.context() as m:      # fp32 and bf16 rows: the kernel, never the reference
-        for name in ("silu_mul", "rms_norm", "gated_rms_norm"):
+        for name in ("silu_mul", "rms_norm", "add_rms_norm", "gated_rms_norm"):
             m.setattr(ew_cpu.reference, name, lambda *a, **k: pytest.fail("went to the reference"))
         for (name, args), want in zip(cases, wants):
             got = getattr(ew_cpu, name)(*args)
+            if name == "add_rms_norm":
+                # the sum, in the stream's own tensor, is the reference's to the bit (one rounding)
+                assert got[0] is args[0] and torch.equal(got[0], sums.pop(0))
+                got = got[1]
             assert got.dtype == dtype
             if dtype == torch.float32:
                 torch.testing.assert_close(got, want)

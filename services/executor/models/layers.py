@@ -22,6 +22,10 @@ class RMSNorm(nn.Module):
         (kernels/elementwise/reference.py, which also says where bf16 casts, as transformers)."""
         return (ops or _ref).rms_norm(x, self.weight, self.eps, self.zero_centered)
 
+    def add(self, x: torch.Tensor, r: torch.Tensor, ops=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x += r (in place: x is the residual stream) and the sum's norm, in one op (add_rms_norm)."""
+        return (ops or _ref).add_rms_norm(x, r, self.weight, self.eps, self.zero_centered)
+
 
 class GatedRMSNorm(nn.Module):
     """norm(x) * w * silu(z): the output norm of a Gated DeltaNet head."""

@@ -25,10 +25,19 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.zero_centered_norm)
         self.post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.zero_centered_norm)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, mem_a: torch.Tensor, mem_b: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | None, stream: torch.Tensor, batch: ForwardBatch, mem_a: torch.Tensor,
+                mem_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """stream: the residual stream up to the previous block; x: that block's output, not yet added
+        (None at the first layer). Each norm adds its input to the stream in the same pass
+        (RMSNorm.add; the stream is updated in place), so the sums cost no pass of their own.
+        Returns (this block's output, not yet added; the stream before it)."""
         ops = batch.kernels
-        x = x + self.mixer(self.input_norm(x, ops), batch, mem_a, mem_b)
-        return x + self.mlp(self.post_norm(x, ops), ops)
+        if x is None:
+            h = self.input_norm(stream, ops)
+        else:
+            stream, h = self.input_norm.add(stream, x, ops)
+        stream, h = self.post_norm.add(stream, self.mixer(h, batch, mem_a, mem_b), ops)
+        return self.mlp(h, ops), stream
 
 
 class CausalLM(nn.Module):
@@ -49,13 +58,16 @@ class CausalLM(nn.Module):
         """Run one step; returns logits [M, V] for batch.logits_rows (fp32), or with head=False their
         final hidden states [M, hidden] (the caller then picks which rows, or which tokens, get logits:
         verify.py: _verify)."""
-        x = self.embed(batch.input_ids)                                     # [T, hidden]
+        x, stream = None, self.embed(batch.input_ids)                       # [T, hidden]
         for layer, j in zip(self.layers, self._mem_index):
             if layer.kind == "full_attention":
-                x = layer(x, batch, kv.k[j], kv.v[j])
+                x, stream = layer(x, stream, batch, kv.k[j], kv.v[j])
             else:
-                x = layer(x, batch, state.recurrent[j], state.conv[j])
-        x = self.norm(x[batch.logits_rows], batch.kernels)
+                x, stream = layer(x, stream, batch, state.recurrent[j], state.conv[j])
+        # the last block's output added only where logits are taken (copies: the in-place add
+        # leaves the stream alone)
+        rows = batch.logits_rows
+        x = self.norm.add(stream[rows].contiguous(), x[rows].contiguous(), batch.kernels)[1]
         return self.logits(x, batch.kernels) if head else x
 
     def logits(self, hidden: torch.Tensor, ops) -> torch.Tensor:
