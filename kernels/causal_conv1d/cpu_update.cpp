@@ -145,6 +145,36 @@ static inline __m512 conv_ld16(const uint16_t* p) { return load_bf16x16(p); }
 static inline void conv_st16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 static inline void conv_st16(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16x16(v)); }
 
+// lane c holds c * m: the offsets of 16 channels' carried inputs in the pool (m = W - 1) or of
+// their weights (m = W)
+static inline __m512i lanes_by(int m) {
+  return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(m));
+}
+
+// one token of the width-4 conv on 16 channels: w0 a0 + w1 a1 + w2 a2 + w3 x (a0 the oldest input),
+// SiLU'd when asked; every form (prefill, decode) in this order, so a token comes out alike in both
+template <bool silu>
+static inline __m512 conv4_token(const __m512 w[4], __m512 a0, __m512 a1, __m512 a2, __m512 xin) {
+  const __m512 acc = _mm512_fmadd_ps(w[0], a0, _mm512_fmadd_ps(w[1], a1, _mm512_fmadd_ps(w[2], a2, _mm512_mul_ps(w[3], xin))));
+  if (!silu) return acc;
+  return _mm512_div_ps(acc, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_fast16(_mm512_sub_ps(_mm512_setzero_ps(), acc))));
+}
+
+// the 16 channels' window (their three carried inputs) to or from the pool at d
+static inline void window_to(float* d, __m512i lanes, __m512 a0, __m512 a1, __m512 a2) {
+  _mm512_i32scatter_ps(d, lanes, a0, 4);
+  _mm512_i32scatter_ps(d + 1, lanes, a1, 4);
+  _mm512_i32scatter_ps(d + 2, lanes, a2, 4);
+}
+static inline void window_from(const float* d, __m512i lanes, __m512& a0, __m512& a1, __m512& a2) {
+  a0 = _mm512_i32gather_ps(lanes, d, 4);
+  a1 = _mm512_i32gather_ps(lanes, d + 1, 4);
+  a2 = _mm512_i32gather_ps(lanes, d + 2, 4);
+}
+static inline void weights_from(const float* w, __m512i wlanes, __m512 out[4]) {
+  for (int i = 0; i < 4; ++i) out[i] = _mm512_i32gather_ps(wlanes, w + i, 4);
+}
+
 // A task is G blocks of 16 channels side by side (64 channels: a row's 256 bytes, whole cache lines,
 // where x is the in-projection's split and its rows are not line-aligned; one block a task read
 // half-lines twice, 1.4x slower than copying x first).
@@ -157,26 +187,15 @@ static void conv4_prefill16(const at::Tensor& x, at::Tensor& y, at::Tensor& pool
   const int64_t N = slots.size(0), C = x.size(1), blocks = C / (L * G);
   const Rows<S> r(x, y, pool, weight, starts, ends, slots, tap_lo, tap_at, tap_dst);
   // lane c of the window vectors: channel c0 + c, whose M carried inputs are contiguous in the pool
-  const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(M));
-  const __m512i wlanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(W));
+  const __m512i lanes = lanes_by(M), wlanes = lanes_by(W);
   at::parallel_for(0, N * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / blocks, c0 = (task % blocks) * L * G;
       float* s = r.pp + (r.sl[n] * C + c0) * M;
-      const float* w = r.wp + c0 * W;
-      __m512 w0[G], w1[G], w2[G], w3[G], a0[G], a1[G], a2[G];
+      __m512 w[G][4], a0[G], a1[G], a2[G];
       for (int g = 0; g < G; ++g) {
-        const float* wg = w + g * L * W;
-        const float* sg = s + g * L * M;
-        w0[g] = _mm512_i32gather_ps(wlanes, wg, 4);
-        w1[g] = _mm512_i32gather_ps(wlanes, wg + 1, 4);
-        w2[g] = _mm512_i32gather_ps(wlanes, wg + 2, 4);
-        w3[g] = _mm512_i32gather_ps(wlanes, wg + 3, 4);
-        a0[g] = _mm512_i32gather_ps(lanes, sg, 4);
-        a1[g] = _mm512_i32gather_ps(lanes, sg + 1, 4);
-        a2[g] = _mm512_i32gather_ps(lanes, sg + 2, 4);
+        weights_from(r.wp + (c0 + g * L) * W, wlanes, w[g]);
+        window_from(s + g * L * M, lanes, a0[g], a1[g], a2[g]);
       }
       int64_t j = r.tl[n];
       for (int64_t t = r.st[n]; t < r.en[n]; ++t) {
@@ -184,30 +203,17 @@ static void conv4_prefill16(const at::Tensor& x, at::Tensor& y, at::Tensor& pool
         S* yr = r.yp + t * C + c0;
         for (int g = 0; g < G; ++g) {
           const __m512 xin = conv_ld16(xr + g * L);
-          __m512 acc = _mm512_fmadd_ps(w0[g], a0[g], _mm512_fmadd_ps(w1[g], a1[g], _mm512_fmadd_ps(w2[g], a2[g], _mm512_mul_ps(w3[g], xin))));
-          if (silu)
-            acc = _mm512_div_ps(acc, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_fast16(_mm512_sub_ps(_mm512_setzero_ps(), acc))));
-          conv_st16(yr + g * L, acc);
+          conv_st16(yr + g * L, conv4_token<silu>(w[g], a0[g], a1[g], a2[g], xin));
           a0[g] = a1[g];
           a1[g] = a2[g];
           a2[g] = xin;
         }
         if (j < r.tl[n + 1] && r.ta[j] == t + 1 - r.st[n]) {
-          for (int g = 0; g < G; ++g) {
-            float* d = r.pp + (r.td[j] * C + c0 + g * L) * M;
-            _mm512_i32scatter_ps(d, lanes, a0[g], 4);
-            _mm512_i32scatter_ps(d + 1, lanes, a1[g], 4);
-            _mm512_i32scatter_ps(d + 2, lanes, a2[g], 4);
-          }
+          for (int g = 0; g < G; ++g) window_to(r.pp + (r.td[j] * C + c0 + g * L) * M, lanes, a0[g], a1[g], a2[g]);
           ++j;
         }
       }
-      for (int g = 0; g < G; ++g) {
-        float* sg = s + g * L * M;
-        _mm512_i32scatter_ps(sg, lanes, a0[g], 4);
-        _mm512_i32scatter_ps(sg + 1, lanes, a1[g], 4);
-        _mm512_i32scatter_ps(sg + 2, lanes, a2[g], 4);
-      }
+      for (int g = 0; g < G; ++g) window_to(s + g * L * M, lanes, a0[g], a1[g], a2[g]);
     }
   });
 }
@@ -215,8 +221,7 @@ static void conv4_prefill16(const at::Tensor& x, at::Tensor& y, at::Tensor& pool
 // The decode update (and a jump-forward step's depths) in the same registers: a sequence's window
 // is gathered from its slot once, every depth of it runs on the three vectors, and it is scattered
 // back once. The loop above, a scalar exp per channel among them, took ~0.2 ms a layer of a
-// 40-row step of Qwen3.5's 512 channels, several times this. The same arithmetic as
-// conv4_prefill16, so that a token decoded and the same token prefilled come out alike.
+// 40-row step of Qwen3.5's 512 channels, several times this.
 template <bool silu>
 static void conv4_update16(const at::Tensor& x, at::Tensor& pool, const at::Tensor& weight, const at::Tensor& slots,
                            const at::Tensor& offsets, const at::Tensor& lens, at::Tensor& y, at::Tensor& saved,
@@ -230,39 +235,24 @@ static void conv4_update16(const at::Tensor& x, at::Tensor& pool, const at::Tens
   float* pp = pool.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   float* sp = saved.numel() ? saved.data_ptr<float>() : nullptr;
-  const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(M));
-  const __m512i wlanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(W));
+  const __m512i lanes = lanes_by(M), wlanes = lanes_by(W);
   at::parallel_for(0, N * blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / blocks, c0 = (task % blocks) * L;
       float* s = pp + (sl[n] * C + c0) * M;
-      const float* w = wp + c0 * W;
-      const __m512 w0 = _mm512_i32gather_ps(wlanes, w, 4), w1 = _mm512_i32gather_ps(wlanes, w + 1, 4),
-                   w2 = _mm512_i32gather_ps(wlanes, w + 2, 4), w3 = _mm512_i32gather_ps(wlanes, w + 3, 4);
-      __m512 a0 = _mm512_i32gather_ps(lanes, s, 4), a1 = _mm512_i32gather_ps(lanes, s + 1, 4),
-             a2 = _mm512_i32gather_ps(lanes, s + 2, 4);
+      __m512 w[4], a0, a1, a2;
+      weights_from(wp + c0 * W, wlanes, w);
+      window_from(s, lanes, a0, a1, a2);
       for (int64_t d = 0; d < ln[n]; ++d) {
         const int64_t r = off[d] + n;
         const __m512 xin = _mm512_loadu_ps(xp + r * xs + c0);
-        __m512 acc = _mm512_fmadd_ps(w0, a0, _mm512_fmadd_ps(w1, a1, _mm512_fmadd_ps(w2, a2, _mm512_mul_ps(w3, xin))));
-        if (silu)
-          acc = _mm512_div_ps(acc, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_fast16(_mm512_sub_ps(_mm512_setzero_ps(), acc))));
-        _mm512_storeu_ps(yp + r * C + c0, acc);
+        _mm512_storeu_ps(yp + r * C + c0, conv4_token<silu>(w, a0, a1, a2, xin));
         a0 = a1;
         a1 = a2;
         a2 = xin;
-        if (sp != nullptr && d + 1 < ln[n]) {
-          float* k = sp + ((so[d] + n) * C + c0) * M;
-          _mm512_i32scatter_ps(k, lanes, a0, 4);
-          _mm512_i32scatter_ps(k + 1, lanes, a1, 4);
-          _mm512_i32scatter_ps(k + 2, lanes, a2, 4);
-        }
+        if (sp != nullptr && d + 1 < ln[n]) window_to(sp + ((so[d] + n) * C + c0) * M, lanes, a0, a1, a2);
       }
-      _mm512_i32scatter_ps(s, lanes, a0, 4);
-      _mm512_i32scatter_ps(s + 1, lanes, a1, 4);
-      _mm512_i32scatter_ps(s + 2, lanes, a2, 4);
+      window_to(s, lanes, a0, a1, a2);
     }
   });
 }
