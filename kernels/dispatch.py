@@ -87,8 +87,8 @@ def cpu_kernels() -> Kernels:
     from .elementwise import cpu as ew
     from .gated_delta_rule import cpu as gdr
     from .linear import cpu as linear
-    return dataclasses.replace(reference(), name="cpu", rms_norm=ew.rms_norm, add_rms_norm=ew.add_rms_norm, silu_mul=ew.silu_mul,
-                               linear=linear.linear, linear_silu_mul=linear.linear_silu_mul,
+    return dataclasses.replace(reference(), name="cpu", rms_norm=ew.rms_norm, add_rms_norm=ew.add_rms_norm,
+                               silu_mul=ew.silu_mul, linear=linear.linear, linear_silu_mul=linear.linear_silu_mul,
                                gated_rms_norm=ew.gated_rms_norm, apply_bitmask=bitmask.apply_bitmask, rotary=ew.rotary,
                                decode_attention=attention.decode_attention, cascade_decode=attention.cascade_decode,
                                cascade_prefill=attention.cascade_prefill, extend_attention=attention.extend_attention,
