@@ -114,6 +114,28 @@ def test_cascade_decode_equals_decode():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_cascade_decode_of_a_whole_batch_in_one_group_equals_decode():
+    """Every row in one group, in order (a fan-out decoding together): the merge runs on the whole
+    batch without gathers, and gives what decode over each row's slots gives, and what the gathering
+    path gives for the same rows listed out of order."""
+    kc, vc = _pool(seed=2)
+    shared = [30, 31, 2, 4, 5, 15, 16, 18]
+    tables = [shared + [6, 7], shared + [8], shared + [12, 13, 14]]
+    lens = [73, 65, 84]
+    seq_slots = [_slots(t, n) for t, n in zip(tables, lens)]
+    q = torch.randn(3, Hq, D)
+    want = decode_attention(q, kc, vc, torch.nn.utils.rnn.pad_sequence(seq_slots, batch_first=True),
+                            torch.tensor(lens), D ** -0.5)
+    groups = shared_prefixes(tables, [n - 1 for n in lens], PAGE, torch.device("cpu"))
+    assert [g.seqs for g in groups] == [[0, 1, 2]]
+    own = [sl[64:] for sl in seq_slots]
+    args = (q, kc, vc, torch.nn.utils.rnn.pad_sequence(own, batch_first=True), torch.tensor([len(o) for o in own]))
+    got = cascade_decode(*args, groups, D ** -0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    listed = [SharedPrefix(seqs=[1, 0, 2], slots=groups[0].slots, start=groups[0].start)]
+    assert torch.equal(cascade_decode(*args, listed, D ** -0.5), got)
+
+
 def test_cascade_decode_reads_a_long_own_part_alone(monkeypatch):
     """A sequence in no group beside a group's members with short own parts: its row is attended
     alone (LONG_OWN), not padded into the batch of short rows, and every row still equals plain

@@ -256,6 +256,11 @@ def with_shared(q, k_cache, v_cache, groups: list[SharedPrefix], scale: float, o
     attend = attend or attend_lse
     at = attend_in_place or _gathering(attend)
     for g in groups:
+        if g.seqs == list(range(len(q))):
+            # the whole batch, in order (an agent's fan-out decoding together): no gathers, no scatter
+            o_s, lse_s = _shared(q, k_cache, v_cache, g, scale, attend, at)
+            o = merge(o, lse, o_s, lse_s)
+            continue
         rows = torch.tensor(g.seqs, device=q.device)
         o_s, lse_s = _shared(q[rows], k_cache, v_cache, g, scale, attend, at)
         o[rows] = merge(o[rows], lse[rows], o_s, lse_s)
