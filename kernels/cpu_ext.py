@@ -177,3 +177,15 @@ def wait(timeout: float | None = None):
 
 if __name__ == "__main__":      # the build itself (start() runs it in a process of its own)
     _load()
+
+
+def kept_on(weight, name: str, variant, make):
+    """What the kernels derive from a model weight (a packed copy, a norm's fp32 factor), made once per
+    variant and kept on the weight itself as `name`: it lives and dies with the model, and a weight
+    written in place (its version changes) gets it made again."""
+    key = (weight.data_ptr(), weight._version, variant)
+    kept = getattr(weight, name, None)
+    if kept is None or kept[0] != key:
+        kept = (key, make())
+        setattr(weight, name, kept)
+    return kept[1]

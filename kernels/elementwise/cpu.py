@@ -27,16 +27,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _norm_weight(weight: torch.Tensor, zero_centered: bool) -> torch.Tensor:
-    """The fp32 factor the kernel scales by (1 + weight where zero-centered), made once per weight
-    and kept on it (remade when the weight is written in place): making it cost ~20 us a call, and a
-    step runs two to four norms a layer."""
-    key = (weight.data_ptr(), weight._version, zero_centered)
-    kept = getattr(weight, "_rf_norm", None)
-    if kept is None or kept[0] != key:
-        w = 1.0 + weight.float() if zero_centered else weight.float()
-        kept = (key, w.contiguous())
-        weight._rf_norm = kept
-    return kept[1]
+    """The fp32 factor the kernel scales by (1 + weight where zero-centered), kept on the weight
+    (cpu_ext.kept_on): making it cost ~20 us a call, and a step runs two to four norms a layer."""
+    return cpu_ext.kept_on(weight, "_rf_norm", zero_centered,
+                           lambda: (1.0 + weight.float() if zero_centered else weight.float()).contiguous())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:

@@ -39,12 +39,7 @@ BF16_LONG_K_ROWS = 256
 
 
 def _packed(ext, weight: torch.Tensor, halves: int) -> torch.Tensor:
-    key = (weight.data_ptr(), weight._version, halves)
-    kept = getattr(weight, "_rf_packed", None)
-    if kept is None or kept[0] != key:
-        kept = (key, ext.linear_pack(weight.detach(), halves))
-        weight._rf_packed = kept
-    return kept[1]
+    return cpu_ext.kept_on(weight, "_rf_packed", halves, lambda: ext.linear_pack(weight.detach(), halves))
 
 
 def _run(ext, x: torch.Tensor, weight: torch.Tensor, n_out: int, silu: bool) -> torch.Tensor:

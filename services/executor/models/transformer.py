@@ -64,10 +64,10 @@ class CausalLM(nn.Module):
                 x, stream = layer(x, stream, batch, kv.k[j], kv.v[j])
             else:
                 x, stream = layer(x, stream, batch, state.recurrent[j], state.conv[j])
-        # the last block's output added only where logits are taken (copies: the in-place add
-        # leaves the stream alone)
+        # the last block's output added only where logits are taken (rows: a tensor, so these are
+        # copies and the in-place add leaves the stream alone)
         rows = batch.logits_rows
-        x = self.norm.add(stream[rows].contiguous(), x[rows].contiguous(), batch.kernels)[1]
+        x = self.norm.add(stream[rows], x[rows], batch.kernels)[1]
         return self.logits(x, batch.kernels) if head else x
 
     def logits(self, hidden: torch.Tensor, ops) -> torch.Tensor:
