@@ -33,6 +33,7 @@ _log = log.get("bus")
 
 # nats-py's protocol line and headers ride along with the payload; leave room for them.
 _OVERHEAD = 512
+_DRAIN_S = 2.0      # close(): the longest a drain may take
 
 
 class Bus:
@@ -73,13 +74,21 @@ class Bus:
                 await asyncio.sleep(0.2)
 
     async def close(self) -> None:
+        """Drain (what was published goes out first), then close. A server that is gone (the
+        embedded one of `radixflow up` stops with it when a process group gets SIGTERM) cannot be
+        drained: nats-py's drain then waits out its flush or raises, and its close raises
+        ConnectionResetError; `up` exited with a traceback. What was unsent is lost either way."""
         self._closing = True
-        if self._nc is not None and not self._nc.is_closed:
-            try:
-                await self._nc.drain()
-            except (nats.errors.Error, asyncio.TimeoutError):
-                await self._nc.close()
-        self._nc = None
+        nc, self._nc = self._nc, None
+        if nc is None or nc.is_closed:
+            return
+        if nc.is_connected:
+            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError, OSError):
+                # a live server drains in milliseconds; one that died a moment ago never answers
+                await asyncio.wait_for(nc.drain(), _DRAIN_S)
+        if not nc.is_closed:
+            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError, OSError):
+                await nc.close()
 
     async def _on_error(self, e: Exception) -> None:
         _log.warning("nats error", error=str(e), client=self.name)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -215,3 +216,25 @@ async def test_reconnects_after_the_server_restarts():
         await actor.stop()
         await bus.close()
         srv.stop()
+
+
+async def test_close_after_the_server_died_is_quiet():
+    """`radixflow up` stopped with its process group (SIGTERM to all, as a supervisor or a shell's
+    job control sends it) loses its embedded nats-server while the services drain: closing a bus
+    whose server is gone, with a message still unsent, must not raise (nats-py's close raised
+    ConnectionResetError, and `up` exited with a traceback instead of 0)."""
+    import os
+    import signal
+    from radixflow.shared.natsd import NatsServer
+    for wait_s in (0.0, 0.05, 0.1, 0.2):
+        srv = NatsServer().start()
+        bus = await connect(srv.url)
+        try:
+            os.kill(srv.proc.pid, signal.SIGTERM)      # gone while the client still holds its socket
+            await asyncio.sleep(wait_s)
+            with contextlib.suppress(Exception):
+                await bus.publish("t.any", EncodeRequest(text="x" * 100_000))
+            await asyncio.wait_for(bus.close(), 10)
+            assert bus._nc is None
+        finally:
+            srv.stop()
