@@ -79,16 +79,16 @@ class Bus:
         drained: nats-py's drain then waits out its flush or raises, and its close raises
         ConnectionResetError; `up` exited with a traceback. What was unsent is lost either way."""
         self._closing = True
-        nc, self._nc = self._nc, None
-        if nc is None or nc.is_closed:
-            return
-        if nc.is_connected:
+        nc = self._nc
+        if nc is not None and nc.is_connected:
+            # handlers still running may answer while it drains: the connection stays ours until then
             with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError, OSError):
                 # a live server drains in milliseconds; one that died a moment ago never answers
                 await asyncio.wait_for(nc.drain(), _DRAIN_S)
-        if not nc.is_closed:
+        if nc is not None and not nc.is_closed:
             with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError, OSError):
                 await nc.close()
+        self._nc = None
 
     async def _on_error(self, e: Exception) -> None:
         _log.warning("nats error", error=str(e), client=self.name)
