@@ -59,7 +59,7 @@ async def _side(model: str, runs: list, out_tokens: int, cache: bool, first_alon
         # the peak of pages in use, from the pool's own high-water mark (reset below, after the
         # untimed run): a polling task here would wake the event loop every few ms and slow the
         # workload it measures
-        walls, outs = [], []
+        walls, cpus, loop_cpus, outs = [], [], [], []
         for r, (pre, sufs) in enumerate(runs):
             body = lambda s: {"input_ids": pre + s, "sampling_params": {"max_new_tokens": out_tokens, "temperature": 0,
                                                                          "ignore_eos": True}}
@@ -86,6 +86,8 @@ async def _side(model: str, runs: list, out_tokens: int, cache: bool, first_alon
                     rest = bodies[1:]
                 outs += await asyncio.gather(*(generate(http, base, b) for b in rest))
             walls.append(t.s)
+            cpus.append(t.cpu)
+            loop_cpus.append(t.thread_cpu)
         peak = max(p.peak_used for p in radix.pools.values())
         page_size = stack.cfg.executor.page_size
         pool = next(iter(radix.pools.values()))
@@ -102,6 +104,11 @@ async def _side(model: str, runs: list, out_tokens: int, cache: bool, first_alon
                               o["meta_info"]["completion_tokens"]) for o in outs) / len(runs)
     out = {"prefill_tokens_computed": computed, "peak_kv_pages": peak, "page_size": page_size,
            "wall_s": round(statistics.median(walls), 3), "wall_s_runs": [round(w, 3) for w in walls],
+           # CPU seconds of this process (the stack and its client; the nats-server is another
+           # process) and of its event loop (every service's handlers, and the client), medians;
+           # cores_busy: how much of the machine the side kept busy (cpu_s over wall_s)
+           "cpu_s": round(statistics.median(cpus), 3), "event_loop_cpu_s": round(statistics.median(loop_cpus), 3),
+           "cores_busy": round(statistics.median(c / w for c, w in zip(cpus, walls)), 2),
            "gflops": round(flops / 1e9, 2), "dtype": served_dtype, "outputs": [o["output_ids"] for o in outs]}
     if pool.hybrid:
         out |= {"state_slots_holding_the_preamble": len(preamble_states), "preamble_checkpoints_at": preamble_states,
@@ -204,6 +211,9 @@ def run_shared_prefix(model: str, preamble: int, suffix: int, n: int, out_tokens
             # speedup at equal efficiency) fall short of the token ratio
             "prefill_flop_ratio": round(off["gflops"] / max(on["gflops"], 1e-9), 2),
             "wall_speedup_over_flop_ratio": round(wall_ratio * on["gflops"] / max(off["gflops"], 1e-9), 3),
+            # what the cache saves in CPU time (steadier than wall time on a shared machine; the
+            # wall speedup falls short of it where cache-on cannot keep every core busy)
+            "cpu_ratio": round(off["cpu_s"] / max(on["cpu_s"], 1e-9), 2),
             "greedy_outputs_identical": f"{same}/{len(outs_on)}",
             # a hybrid group may pay for its branching point once (the issues' bounds, before page rounding)
             "bound_prefill_tokens": (2 if "state_slots_used" in on else 1) * preamble + n * suffix}
