@@ -133,8 +133,9 @@ def median(xs: list[float]) -> float:
 class Timer:
     """Wall seconds (s), and the CPU seconds of this process's threads (cpu) and of the thread that
     entered it (thread_cpu: in a served benchmark the event loop's, which runs the stack's services
-    and the client; the executor's compute threads are the rest). CPU time is the steadier figure on
-    a shared machine: when another tenant slows it, wall time moves far more than CPU time does."""
+    and the client; the executor's compute threads are the rest). CPU time counts work, not waits: it
+    tells a side that computes on every core (cpu ~ cores x s) from one that waits, and it does not grow
+    when another process takes the cores (a machine that runs slower slows both)."""
     def __enter__(self) -> "Timer":
         self.t0, self.c0, self.l0 = time.perf_counter(), time.process_time(), time.thread_time()
         return self

@@ -211,8 +211,8 @@ def run_shared_prefix(model: str, preamble: int, suffix: int, n: int, out_tokens
             # speedup at equal efficiency) fall short of the token ratio
             "prefill_flop_ratio": round(off["gflops"] / max(on["gflops"], 1e-9), 2),
             "wall_speedup_over_flop_ratio": round(wall_ratio * on["gflops"] / max(off["gflops"], 1e-9), 3),
-            # what the cache saves in CPU time (steadier than wall time on a shared machine; the
-            # wall speedup falls short of it where cache-on cannot keep every core busy)
+            # what the cache saves in CPU time, the work itself (the wall speedup falls short of it
+            # where cache-on cannot keep every core busy)
             "cpu_ratio": round(off["cpu_s"] / max(on["cpu_s"], 1e-9), 2),
             "greedy_outputs_identical": f"{same}/{len(outs_on)}",
             # a hybrid group may pay for its branching point once (the issues' bounds, before page rounding)
