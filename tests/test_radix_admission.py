@@ -81,8 +81,8 @@ def test_a_late_sibling_resumes_near_its_parting_point():
         step(pool, [], releases=[Release(rid="a", output_ids=[], computed=3100)])
         got[slots] = (g.checkpoints, step(pool, [late]).grants[0].cached_tokens)
     end = 3100 // 16 * 16
-    assert got[64][0] == sorted({end - d for d in (2048, 1024, 512, 256)} | {end})
-    assert got[64][1] == end - 256                            # 2,832: 168 + 100 tokens to compute
+    assert got[64][0] == sorted({end - d for d in (2048, 1024, 512, 256, 128, 64)} | {end})
+    assert got[64][1] == end - 128                            # 2,960: 40 + 100 tokens to compute
     assert got[8] == ([end], 0)                               # short of slots: the whole prompt again
 
 
