@@ -39,11 +39,10 @@ _DRAIN_S = 2.0      # close(): the longest a drain, or the close after it, may t
 async def _quietly(aw: Awaitable[Any]) -> None:
     """A nats-py drain or close whose server may be gone: its errors, a timeout and a cancellation of
     its own making are dropped. Its close can end in a cancelled internal future (the transport's
-    close waiter, when the reconnect logic closed the socket first; tests/test_bus.py's dead-server
-    close failed so, once in a CI run): raised on, that cancelled the caller, a stack's stop, which
-    then left its other connections open and reconnecting (a `radixflow up` killed with its
-    embedded server was seen hanging in asyncio.run's final cancellation). A cancellation of the
-    caller's own task still propagates."""
+    close waiter; tests/test_bus.py's dead-server close failed so, once in a CI run): raised on, it
+    ended the caller, a stack's stop, in a CancelledError as if the stop itself had been cancelled.
+    A cancellation of the caller's own task still propagates. The close is bounded too: unbounded,
+    one that never returned would hold the stop forever."""
     try:
         await asyncio.wait_for(aw, _DRAIN_S)
     except (nats.errors.Error, asyncio.TimeoutError, OSError):

@@ -221,7 +221,7 @@ async def test_reconnects_after_the_server_restarts():
 async def test_close_drops_a_cancellation_of_nats_own_making():
     """nats-py's close can end in a CancelledError of its own when its server died (a cancelled close
     waiter; the test below failed so once in CI): close() drops it and finishes, so a stack's stop
-    goes on to close its other connections. A cancellation of the task that closes still propagates."""
+    does not end as if it had been cancelled. A cancellation of the task that closes still propagates."""
     from radixflow.shared.natsd import NatsServer
     srv = NatsServer().start()
     try:
