@@ -13,7 +13,6 @@ through this class, so what they kill is what a user runs.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -25,6 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from radixflow.shared import log
+from radixflow.shared.natsd import NatsServer, die_with_parent
 
 from .stack import ORDER
 
@@ -78,14 +78,6 @@ class Child:
         return self.proc is not None and self.proc.poll() is None
 
 
-def _die_with_parent() -> None:
-    # Linux: a child gets SIGTERM when the cluster process dies, even by kill -9 (no orphans left serving)
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 class Cluster:
     def __init__(self, cfg: ClusterConfig):
         self.cfg = cfg
@@ -102,8 +94,7 @@ class Cluster:
 
     def start(self) -> "Cluster":
         if not self.url:
-            from radixflow.shared.natsd import NatsServer
-            self.nats = NatsServer(max_payload=self.cfg.max_payload).start()
+            self.nats = NatsServer(max_payload=self.cfg.max_payload, own_group=True).start()
             self.url = self.nats.url
         if self.cfg.log_dir:
             os.makedirs(self.cfg.log_dir, exist_ok=True)
@@ -135,7 +126,7 @@ class Cluster:
     def _spawn(self, c: Child) -> None:
         out = open(os.path.join(self.cfg.log_dir, c.label + ".log"), "ab") if self.cfg.log_dir else None
         c.proc = subprocess.Popen(c.argv, env=c.env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                  start_new_session=True, preexec_fn=_die_with_parent)
+                                  start_new_session=True, preexec_fn=die_with_parent)
         if out:
             out.close()
         c.started = time.monotonic()

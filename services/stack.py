@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import signal
+import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
@@ -76,10 +77,13 @@ class Stack:
         return self
 
     async def stop(self) -> None:
+        # one drain deadline for the whole stack, not one per service: where in-flight work cannot
+        # finish (the bus is gone) each service waited out a timeout of its own, one after another
+        deadline = time.monotonic() + self.cfg.service.drain_timeout_s
         for n in reversed(self.names):
             a = self.actors.get(n)
             if a is not None:
-                await a.drain()
+                await a.drain(max(deadline - time.monotonic(), 0.0))
         for n in reversed(self.names):
             a = self.actors.pop(n, None)
             if a is not None:

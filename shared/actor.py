@@ -144,11 +144,12 @@ class Actor:
         """Stop taking new work, then wait (bounded) until every accepted piece is done; the routes
         that in-flight work still needs (drain_last) go last."""
         await self._unsubscribe(lambda r: not r.drain_last)
-        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.config.drain_timeout_s if timeout_s is None else timeout_s)
         queues = [self._mailbox] + [r.mailbox for r in self._routes if r.mailbox is not None]
         try:
-            await asyncio.wait_for(asyncio.gather(*(q.join() for q in queues)), timeout_s)
-            await asyncio.wait_for(self.on_drain(), timeout_s)
+            await asyncio.wait_for(asyncio.gather(*(q.join() for q in queues)), max(deadline - loop.time(), 0.0))
+            await asyncio.wait_for(self.on_drain(), max(deadline - loop.time(), 0.0))
         except asyncio.TimeoutError:
             self.log.warning("drain timed out", timeout_s=timeout_s)
         await self._unsubscribe(lambda r: True)

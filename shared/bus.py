@@ -91,8 +91,8 @@ class Bus:
                 await asyncio.sleep(0.2)
 
     async def close(self) -> None:
-        """Drain (what was published goes out first), then close. A server that is gone (the
-        embedded one of `radixflow up` stops with it when a process group gets SIGTERM) cannot be
+        """Drain (what was published goes out first), then close. A server that is gone (one
+        that died, or an embedded one that a signal to the whole process group stopped first) cannot be
         drained: nats-py's drain then waits out its flush or raises, and its close raises
         ConnectionResetError; `up` exited with a traceback. What was unsent is lost either way."""
         self._closing = True

@@ -2,8 +2,10 @@
 binary beside the interpreter), else on PATH; started on a free port; stopped on exit."""
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -31,16 +33,33 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def die_with_parent() -> None:
+    """In a child between fork and exec (Linux): SIGTERM when the process that started it dies, even
+    by kill -9, so that nothing is left serving. It fires when the starting *thread* ends: start
+    children from a thread that lives as long as they should."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 class NatsServer:
-    """A nats-server child process on 127.0.0.1:<port>. Use as a context manager or start()/stop()."""
+    """A nats-server child process on 127.0.0.1:<port>. Use as a context manager or start()/stop().
+
+    own_group: the server runs in a process group of its own, and dies with its parent (see
+    die_with_parent). The embedded server of `radixflow up` does: a terminal's Ctrl-C, or a
+    SIGTERM to the whole group, reaches every process of the group at once, and a server that exits
+    with the stack took the bus away from the stack's drain (in-flight requests failed, and each
+    service waited out its drain timeout: `up` took minutes to exit). Its owner stops it last."""
 
     def __init__(self, port: int | None = None, max_payload: int | None = None, cluster_port: int | None = None,
-                 routes: list[str] | None = None, name: str = ""):
+                 routes: list[str] | None = None, name: str = "", own_group: bool = False):
         self.port = port or free_port()
         self.max_payload = max_payload
         self.cluster_port = cluster_port      # a node of a NATS cluster: routes to the other nodes
         self.routes = routes or []
         self.name = name
+        self.own_group = own_group
         self.proc: subprocess.Popen | None = None
         self._log = None
 
@@ -62,7 +81,9 @@ class NatsServer:
             conf.close()
             args += ["-c", conf.name]
         self._log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=self.own_group,
+                                     preexec_fn=die_with_parent if self.own_group else None)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -156,9 +156,13 @@ async def test_bounded_concurrency_and_drain(nats_server):
     actor = Echo(bus, config=ServiceConfig(concurrency=3))
     await actor.start()
     reqs = [asyncio.create_task(bus.request("t.slow", EncodeRequest(text="x"), EncodeReply)) for _ in range(9)]
-    await asyncio.sleep(0.05)
-    # 3 in the handler, 6 waiting (the scheduler announces what it still holds: ExecRequest.burst)
-    assert actor.queued("t.slow") == 6 and actor.queued("t.echo") == 0
+    # 3 in the handler, 6 waiting (the scheduler announces what it still holds: ExecRequest.burst),
+    # once all 9 have arrived: a fixed 50 ms was too short once on a loaded machine
+    for _ in range(100):
+        if actor.queued("t.slow") == 6:
+            break
+        await asyncio.sleep(0.01)
+    assert actor.queued("t.slow") == 6 and actor.queued("t.echo") == 0 and actor.active == 3
     await actor.drain(timeout_s=5)   # in-flight and queued work still completes
     assert actor.queued("t.slow") == 0
     results = await asyncio.gather(*reqs)

@@ -161,13 +161,43 @@ async def test_stop_drains_in_flight_requests(nats, models):
     assert all(code == 200 and r["meta_info"]["completion_tokens"] == 40 for code, r in res), res
 
 
-def test_radixflow_up_serves_and_drains_on_sigterm(models, tmp_path):
-    """The real command: embedded nats-server, all services, HTTP; SIGTERM lets a request finish."""
+async def test_stop_with_the_bus_gone_waits_one_drain_timeout_in_all(models):
+    """Once NATS is gone in-flight work cannot finish: the stack's stop waits out one drain timeout
+    in all, not one per service one after another (each of the six waited its own), and the request
+    in flight ends."""
+    srv = NatsServer().start()
+    try:
+        cfg = stack_config(srv.url, models["tiny-hybrid"], gw_port=0)
+        cfg = dataclasses.replace(cfg, service=dataclasses.replace(cfg.service, heartbeat_s=0.25, drain_timeout_s=2.0))
+        st = await Stack(cfg).start()
+        base = f"http://127.0.0.1:{st.actors['gateway'].port}"
+        await asyncio.sleep(0.6)
+        task = asyncio.create_task(post(base, "/generate", LONG))
+        await asyncio.sleep(1.0)
+        assert not task.done()
+        srv.stop()
+        t0 = time.monotonic()
+        await st.stop()
+        took = time.monotonic() - t0
+        code, body = await asyncio.wait_for(task, 10)
+        assert code == 503 and "shutting down" in body["error"]["message"], body
+        assert took < 6.0, took           # before: 60 s (aiohttp's cleanup waited for the request)
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["sigterm", "sigint-to-the-group"])
+def test_radixflow_up_serves_and_drains_on_sigterm(models, tmp_path, group):
+    """The real command: embedded nats-server, all services, HTTP; SIGTERM lets a request finish. So
+    does a terminal's Ctrl-C, a SIGINT to the whole process group: the embedded nats-server is in a
+    group of its own and stops after the drain (it used to get the signal too, and exit at once: the
+    request failed, and `up` took minutes to exit)."""
     import requests
     port = free_port()
     log = open(tmp_path / "up.log", "w")
     p = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "radixflow"), "up", "--model",
-                          models["tiny-dense"], "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+                          models["tiny-dense"], "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                         start_new_session=group)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 90
@@ -182,17 +212,20 @@ def test_radixflow_up_serves_and_drains_on_sigterm(models, tmp_path):
             time.sleep(0.3)
         import threading
         out = {}
-        body = {"text": "hello", "sampling_params": {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True}}
+        body = {"text": "hello", "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
         t = threading.Thread(target=lambda: out.setdefault("r", requests.post(base + "/generate", json=body, timeout=60)))
         t.start()
         time.sleep(0.5)
-        p.send_signal(signal.SIGTERM)
+        if group:
+            os.killpg(p.pid, signal.SIGINT)
+        else:
+            p.send_signal(signal.SIGTERM)
         t.join(60)
-        assert out["r"].status_code == 200 and out["r"].json()["meta_info"]["completion_tokens"] == 60
+        assert out["r"].status_code == 200 and out["r"].json()["meta_info"]["completion_tokens"] == 400
         assert p.wait(30) == 0
     finally:
         if p.poll() is None:
-            p.kill()
+            os.killpg(p.pid, signal.SIGKILL) if group else p.kill()
         log.close()
 
 

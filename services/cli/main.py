@@ -121,7 +121,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     url = a.nats_url
     if not url:
         # compiled grammars travel as one message each: room for large vocabularies' blobs
-        server = NatsServer(max_payload=8 * 1024 * 1024).start()
+        server = NatsServer(max_payload=8 * 1024 * 1024, own_group=True).start()
         url = server.url
         print(f"embedded nats-server on {url}", file=sys.stderr)
     try:

@@ -232,6 +232,11 @@ class EngineClient:
         except RequestTimeout:
             raise NotFound(f"no program {q.id!r}", param="id") from None
 
+    def fail_all(self, err: Exception) -> None:
+        """End every stream still open with `err` (the gateway stops)."""
+        for _, stream in list(self._streams.values()):
+            stream.fail(err)
+
     async def _abort(self, rid: str) -> None:
         try:
             await self.bus.publish(subjects.SCHEDULER_ABORT, AbortRequest(rids=[rid]))

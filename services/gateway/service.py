@@ -10,6 +10,7 @@ from radixflow.shared import subjects
 from radixflow.shared.actor import Actor
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import GatewayConfig, ServiceConfig
+from radixflow.shared.errors import ServiceUnavailable
 from radixflow.shared.messages import Heartbeat, Sample
 
 from .app import DRAINING, make_app, tenant_samples
@@ -52,12 +53,17 @@ class GatewayService(Actor):
     async def drain(self, timeout_s: float | None = None) -> None:
         # HTTP first, while heartbeats still flow (the stream watchdog needs them), then the bus
         self.app[DRAINING].set()
-        deadline = asyncio.get_running_loop().time() + (timeout_s or self.config.drain_timeout_s)
-        while self._inflight and asyncio.get_running_loop().time() < deadline:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.config.drain_timeout_s if timeout_s is None else timeout_s)
+        while self._inflight and loop.time() < deadline:
             await asyncio.sleep(0.02)
-        await super().drain(timeout_s)
+        await super().drain(max(deadline - loop.time(), 0.0))
 
     async def on_stop(self) -> None:
+        # what the drain left in flight (its scheduler, or the bus, gone) ends now with a clear
+        # error: the HTTP server's cleanup waits for every handler, up to a minute
+        self.client.fail_all(ServiceUnavailable("the gateway is shutting down and the request did not finish "
+                                                "within the drain timeout"))
         if self._runner is not None:
             await self._runner.cleanup()
 
