@@ -106,6 +106,17 @@ class Batcher:
         self.progress, self.releases, self.unpins, self.demotes, self.grows = [], [], [], [], []
         return msg
 
+    def waiting_follow(self, page_size: int) -> bool:
+        """Every waiting request continues the prompt of a running one that was just granted and has
+        computed nothing yet, a page or more past where it starts: the authority defers each of them
+        until that page is computed ("shared-prefix"), so asking for them now only costs a round trip."""
+        fronts = [(s.namespace, s.tokens[:s.computed_len + page_size]) for s in self.running
+                  if s.computed_len == s.cached_len and s.computed_len + page_size < s.prefill_len
+                  and s.logprob_start < 0]
+        return bool(fronts and self.waiting) and all(
+            any(w.namespace == ns and len(w.tokens) > len(head) and w.tokens[:len(head)] == head for ns, head in fronts)
+            for w in self.waiting)
+
     def reserve(self, s: Sequence) -> int:
         """Output tokens to reserve pages for at admission: all it may still generate, or with
         decode_reserve > 0 at most that many (it grows page by page, and is preempted if it cannot)."""

@@ -254,6 +254,12 @@ class Engine(RadixExchange):
                 if not self._new:
                     break
             outs += self._intake()
+            if self.cache and self.batcher.waiting_follow(self.page_size):
+                # an agent's siblings behind its first request: they would wait for the page it
+                # computes now anyway; they go with the exchange after this step, which waits for
+                # its answer as after a "shared-prefix" deferral
+                self._shared_wait = True
+                break
             outs += self._exchange()
         return outs + self._compute()
 
