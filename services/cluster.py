@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from radixflow.shared import log
-from radixflow.shared.natsd import NatsServer, die_with_parent
+from radixflow.shared.natsd import NatsServer, dying_with_parent
 
 from .stack import ORDER
 
@@ -126,7 +126,7 @@ class Cluster:
     def _spawn(self, c: Child) -> None:
         out = open(os.path.join(self.cfg.log_dir, c.label + ".log"), "ab") if self.cfg.log_dir else None
         c.proc = subprocess.Popen(c.argv, env=c.env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                  start_new_session=True, preexec_fn=die_with_parent)
+                                  start_new_session=True, preexec_fn=dying_with_parent())
         if out:
             out.close()
         c.started = time.monotonic()

@@ -34,6 +34,7 @@ from .errors import BadRequest, Overloaded, from_exception
 from .messages import Heartbeat, MetricsReply, Msg, Sample, StatusReply, StatusRequest
 
 Handler = Callable[[Any], Awaitable[Msg | None]]
+DRAIN_MIN_S = 0.1
 
 
 @dataclass
@@ -146,10 +147,13 @@ class Actor:
         await self._unsubscribe(lambda r: not r.drain_last)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self.config.drain_timeout_s if timeout_s is None else timeout_s)
+        # at least a moment each, past the deadline too: wait_for(x, 0) times out even what is done
+        # already (3.11), and on_drain is where an executor's last outputs go out
+        left = lambda: max(deadline - loop.time(), DRAIN_MIN_S)
         queues = [self._mailbox] + [r.mailbox for r in self._routes if r.mailbox is not None]
         try:
-            await asyncio.wait_for(asyncio.gather(*(q.join() for q in queues)), max(deadline - loop.time(), 0.0))
-            await asyncio.wait_for(self.on_drain(), max(deadline - loop.time(), 0.0))
+            await asyncio.wait_for(asyncio.gather(*(q.join() for q in queues)), left())
+            await asyncio.wait_for(self.on_drain(), left())
         except asyncio.TimeoutError:
             self.log.warning("drain timed out", timeout_s=timeout_s)
         await self._unsubscribe(lambda r: True)

@@ -33,21 +33,30 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def die_with_parent() -> None:
-    """In a child between fork and exec (Linux): SIGTERM when the process that started it dies, even
+def dying_with_parent():
+    """A Popen preexec_fn (Linux): the child gets SIGTERM when the process that starts it dies, even
     by kill -9, so that nothing is left serving. It fires when the starting *thread* ends: start
-    children from a thread that lives as long as they should."""
+    children from a thread that lives as long as they should. prctl is looked up here, before the
+    fork (no dlopen in the child of a threaded process), and a parent already gone by the time the
+    child runs it (the signal would never come) ends the child at once."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def pre() -> None:
+        prctl(1, signal.SIGTERM)          # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+    return pre
 
 
 class NatsServer:
     """A nats-server child process on 127.0.0.1:<port>. Use as a context manager or start()/stop().
 
     own_group: the server runs in a process group of its own, and dies with its parent (see
-    die_with_parent). The embedded server of `radixflow up` does: a terminal's Ctrl-C, or a
+    dying_with_parent). The embedded server of `radixflow up` does: a terminal's Ctrl-C, or a
     SIGTERM to the whole group, reaches every process of the group at once, and a server that exits
     with the stack took the bus away from the stack's drain (in-flight requests failed, and each
     service waited out its drain timeout: `up` took minutes to exit). Its owner stops it last."""
@@ -83,7 +92,7 @@ class NatsServer:
         self._log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=self.own_group,
-                                     preexec_fn=die_with_parent if self.own_group else None)
+                                     preexec_fn=dying_with_parent() if self.own_group else None)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

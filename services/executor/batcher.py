@@ -109,12 +109,16 @@ class Batcher:
     def waiting_follow(self, page_size: int) -> bool:
         """Every waiting request continues the prompt of a running one that was just granted and has
         computed nothing yet, a page or more past where it starts: the authority defers each of them
-        until that page is computed ("shared-prefix"), so asking for them now only costs a round trip."""
+        until that page is computed ("shared-prefix"), so asking for them now only costs a round trip.
+        (Dense models: the tree cannot hold that page, or the running one would have matched it. A
+        hybrid request resumes at a state checkpoint, and a newcomer may find a later one of its own.)
+        Neither side asks for prompt logprobs (a capped match parts them)."""
         fronts = [(s.namespace, s.tokens[:s.computed_len + page_size]) for s in self.running
                   if s.computed_len == s.cached_len and s.computed_len + page_size < s.prefill_len
                   and s.logprob_start < 0]
         return bool(fronts and self.waiting) and all(
-            any(w.namespace == ns and len(w.tokens) > len(head) and w.tokens[:len(head)] == head for ns, head in fronts)
+            w.logprob_start < 0 and any(w.namespace == ns and len(w.tokens) > len(head) and w.tokens[:len(head)] == head
+                                        for ns, head in fronts)
             for w in self.waiting)
 
     def reserve(self, s: Sequence) -> int:

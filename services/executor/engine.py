@@ -253,11 +253,13 @@ class Engine(RadixExchange):
             with self._lock:
                 if not self._new:
                     break
-            outs += self._intake()
-            if self.cache and self.batcher.waiting_follow(self.page_size):
+            took = self._intake()
+            outs += took
+            if self.cache and self.runner.state is None and not took and self.batcher.waiting_follow(self.page_size):
                 # an agent's siblings behind its first request: they would wait for the page it
                 # computes now anyway; they go with the exchange after this step, which waits for
-                # its answer as after a "shared-prefix" deferral
+                # its answer as after a "shared-prefix" deferral (an intake that ended requests has
+                # releases to send: it goes now)
                 self._shared_wait = True
                 break
             outs += self._exchange()

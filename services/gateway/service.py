@@ -43,7 +43,10 @@ class GatewayService(Actor):
 
     async def on_start(self) -> None:
         self.spawn("watch", self.client.watch)
-        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
+        # shutdown_timeout: at stop, handlers still running after the drain (and after on_stop ended
+        # the streams) are cancelled after this, not after aiohttp's minute: one submitting to, or
+        # tokenizing over, a bus that is gone would wait out its own request timeout
+        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True, shutdown_timeout=3.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, reuse_port=self.cfg.reuse_port or None)
         await site.start()
