@@ -113,13 +113,20 @@ class Batcher:
         (Dense models: the tree cannot hold that page, or the running one would have matched it. A
         hybrid request resumes at a state checkpoint, and a newcomer may find a later one of its own.)
         Neither side asks for prompt logprobs (a capped match parts them)."""
-        fronts = [(s.namespace, s.tokens[:s.computed_len + page_size]) for s in self.running
+        if not self.waiting:
+            return False
+        # (running, where its first uncached page starts): the page is compared before the prefix
+        # (a slice of 16 tokens, not of thousands, for the siblings that part from it)
+        fronts = [(s, s.computed_len) for s in self.running
                   if s.computed_len == s.cached_len and s.computed_len + page_size < s.prefill_len
                   and s.logprob_start < 0]
-        return bool(fronts and self.waiting) and all(
-            w.logprob_start < 0 and any(w.namespace == ns and len(w.tokens) > len(head) and w.tokens[:len(head)] == head
-                                        for ns, head in fronts)
-            for w in self.waiting)
+
+        def follows(w: Sequence, s: Sequence, at: int) -> bool:
+            end = at + page_size
+            return (w.namespace == s.namespace and len(w.tokens) > end and w.tokens[at:end] == s.tokens[at:end]
+                    and w.tokens[:at] == s.tokens[:at])
+        return bool(fronts) and all(w.logprob_start < 0 and any(follows(w, s, at) for s, at in fronts)
+                                    for w in self.waiting)
 
     def reserve(self, s: Sequence) -> int:
         """Output tokens to reserve pages for at admission: all it may still generate, or with
