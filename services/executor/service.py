@@ -139,8 +139,11 @@ class ExecutorService(Actor):
                 service=self.service, instance=self.instance, ts=time.time(), detail=self.heartbeat_detail()))
         except Exception:  # disconnected: the schedulers find out from the missing beats
             pass
-        await asyncio.sleep(min(0.5, 2 * self.config.heartbeat_s))
-        await super().drain(timeout_s)
+        # the beat's time counts against the drain's budget (a stack's services drain against one
+        # deadline: this wait came on top of it)
+        beat = min(0.5, 2 * self.config.heartbeat_s, timeout_s if timeout_s is not None else 0.5)
+        await asyncio.sleep(beat)
+        await super().drain(None if timeout_s is None else max(timeout_s - beat, 0.0))
 
     async def on_drain(self) -> None:
         while self.engine is not None and self.engine.has_work():
