@@ -111,8 +111,9 @@ class Batcher:
         computed nothing yet, a page or more past where it starts: the authority defers each of them
         until that page is computed ("shared-prefix"), so asking for them now only costs a round trip.
         (Dense models: the tree cannot hold that page, or the running one would have matched it. A
-        hybrid request resumes at a state checkpoint, and a newcomer may find a later one of its own.)
-        Neither side asks for prompt logprobs (a capped match parts them)."""
+        hybrid request resumes at a state checkpoint, the tree may hold KV past it, and a newcomer
+        that parts from it past its checkpoint may find a later state of its own: rare, and it then
+        only joins a step later.) Neither side asks for prompt logprobs (a capped match parts them)."""
         if not self.waiting:
             return False
         # (running, where its first uncached page starts): the page is compared before the prefix

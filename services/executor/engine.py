@@ -255,11 +255,16 @@ class Engine(RadixExchange):
                     break
             took = self._intake()
             outs += took
-            if self.cache and self.runner.state is None and not took and self.batcher.waiting_follow(self.page_size):
+            if self.cache and not took and self.batcher.waiting_follow(self.page_size):
                 # an agent's siblings behind its first request: they would wait for the page it
                 # computes now anyway; they go with the exchange after this step, which waits for
                 # its answer as after a "shared-prefix" deferral (an intake that ended requests has
-                # releases to send: it goes now)
+                # releases to send: it goes now). On a hybrid model too: the running request's
+                # grant is final, so their asking now changes none of its checkpoints (one of them
+                # still computes to where they part, for the others, after this step); only a
+                # sibling that resumes at a state of its own past the running one's (one that
+                # parts from it later, on a path an earlier request checkpointed) starts a step
+                # later than it could
                 self._shared_wait = True
                 break
             outs += self._exchange()
