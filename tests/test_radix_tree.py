@@ -367,3 +367,24 @@ TestPoolPage4 = PoolPage4.TestCase
 TestPoolPage4.settings = SETTINGS
 TestHybridPool = HybridMachine.TestCase
 TestHybridPool.settings = SETTINGS
+
+
+def test_common_pages_finds_where_a_long_key_and_a_prompt_part():
+    """_common_pages against a page-by-page count, for keys of up to 200 pages and prompts that part
+    from them at every kind of place (first page, middle, last page, not at all, a shorter prompt)."""
+    import random
+    from radixflow.services.radix.tree import RadixTree
+    rng = random.Random(5)
+    tree = RadixTree(4)
+    for _ in range(300):
+        key = tuple(rng.randint(0, 9) for _ in range(4 * rng.randint(1, 200)))
+        at = rng.choice([0, rng.randint(0, len(key)), len(key) - 1, len(key)])
+        tokens = list(key[:at]) + ([key[at] + 1] if at < len(key) else []) + [rng.randint(0, 9) for _ in range(rng.randint(0, 40))]
+        if rng.random() < 0.2:
+            tokens = tokens[:rng.randint(0, len(tokens))]
+        off = rng.randint(0, 3)
+        tokens = [7] * off + tokens
+        want = 0
+        while (want + 1) * 4 <= min(len(key), len(tokens) - off) and key[want * 4:(want + 1) * 4] == tuple(tokens[off + want * 4:off + (want + 1) * 4]):
+            want += 1
+        assert tree._common_pages(key, tokens, off) == want

@@ -150,7 +150,10 @@ class RadixTree:
 
     def _common_pages(self, key: tuple[int, ...], tokens: list[int], i: int) -> int:
         """Whole pages that `key` shares with tokens[i:]. One C-level comparison in the usual case
-        (the node matches entirely); a page-by-page search only where they diverge."""
+        (the node matches entirely); where they diverge, a search that compares each token about
+        once more: each probe compares only the pages between the last known equal one and the
+        middle (comparing from the start at every probe was most of an agent's admission: 39
+        siblings that part from a 3,000-token preamble's node in its last pages, ~8 ms a step)."""
         ps = self.page_size
         n = min(len(key), len(tokens) - i) // ps * ps
         seg = tuple(tokens[i:i + n])
@@ -159,7 +162,7 @@ class RadixTree:
         lo, hi = 0, n // ps          # invariant: the first lo pages are equal, the first hi are not
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if key[:mid * ps] == seg[:mid * ps]:
+            if key[lo * ps:mid * ps] == seg[lo * ps:mid * ps]:
                 lo = mid
             else:
                 hi = mid
