@@ -19,8 +19,9 @@ from . import reference
 def _ext(x: torch.Tensor, weight: torch.Tensor):
     """The built module where the kernel takes these, else None."""
     ext = cpu_ext.get()
-    if ext is None or not (x.device.type == weight.device.type == "cpu" and x.dtype == weight.dtype
-                           and weight.dim() == 2 and x.shape[-1] == weight.shape[1] and weight.is_contiguous()):
+    # `is_cpu`, not a device object: this runs four or five times a layer in a decode step
+    if ext is None or not (x.is_cpu and weight.is_cpu and x.dtype == weight.dtype and weight.ndim == 2
+                           and x.shape[-1] == weight.shape[1] and weight.is_contiguous()):
         return None
     if x.dtype == torch.float32:
         return ext if ext.linear_takes_fp32() else None
@@ -43,13 +44,14 @@ def _packed(ext, weight: torch.Tensor, halves: int) -> torch.Tensor:
 
 
 def _run(ext, x: torch.Tensor, weight: torch.Tensor, n_out: int, silu: bool) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
+    flat = x.ndim == 2               # the model's activations: no reshapes in or out
+    rows = x if flat else x.reshape(-1, x.shape[-1])
     if rows.shape[0] and rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], n_out, dtype=x.dtype)
     if rows.shape[0]:
         ext.linear_packed(rows, _packed(ext, weight, n_out if silu else 0), n_out, silu, out)
-    return out.reshape(*x.shape[:-1], n_out)
+    return out if flat else out.reshape(*x.shape[:-1], n_out)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
