@@ -259,12 +259,9 @@ class Engine(RadixExchange):
                 # an agent's siblings behind its first request: they would wait for the page it
                 # computes now anyway; they go with the exchange after this step, which waits for
                 # its answer as after a "shared-prefix" deferral (an intake that ended requests has
-                # releases to send: it goes now). On a hybrid model too: the running request's
-                # grant is final, so their asking now changes none of its checkpoints (one of them
-                # still computes to where they part, for the others, after this step); only a
-                # sibling that resumes at a state of its own past the running one's (one that
-                # parts from it later, on a path an earlier request checkpointed) starts a step
-                # later than it could
+                # releases to send: it goes now). Hybrid models too: radix plans checkpoints only at
+                # admission, so asking now would add none where they part (waiting_follow says
+                # which rare sibling this delays by a step)
                 self._shared_wait = True
                 break
             outs += self._exchange()

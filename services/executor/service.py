@@ -141,9 +141,12 @@ class ExecutorService(Actor):
             pass
         # the beat's time counts against the drain's budget (a stack's services drain against one
         # deadline: this wait came on top of it)
-        beat = min(0.5, 2 * self.config.heartbeat_s, timeout_s if timeout_s is not None else 0.5)
+        beat = min(0.5, 2 * self.config.heartbeat_s)
+        if timeout_s is not None:
+            beat = min(beat, timeout_s)
+            timeout_s -= beat
         await asyncio.sleep(beat)
-        await super().drain(None if timeout_s is None else max(timeout_s - beat, 0.0))
+        await super().drain(timeout_s)
 
     async def on_drain(self) -> None:
         while self.engine is not None and self.engine.has_work():
