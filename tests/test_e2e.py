@@ -180,13 +180,36 @@ async def test_nats_clients_get_the_same_contract(stack, nats_server):
     await bus.close()
 
 
+def test_the_first_stack_to_serve_raises_the_collection_threshold_and_the_last_restores_it(monkeypatch):
+    import gc
+    from radixflow.services import stack
+    monkeypatch.setattr(stack, "_serving", 0)       # this test's own count (other tests' stacks may serve)
+    monkeypatch.setattr(stack, "_gc_before", stack._gc_before)
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        stack._gc_serving(+1)
+        stack._gc_serving(+1)
+        assert gc.get_threshold() == (stack.GC_YOUNG_THRESHOLD, 10, 10)
+        stack._gc_serving(-1)
+        assert gc.get_threshold() == (stack.GC_YOUNG_THRESHOLD, 10, 10)     # one still serves
+        stack._gc_serving(-1)
+        assert gc.get_threshold() == (700, 10, 10)
+    finally:
+        gc.set_threshold(*before)
+
+
 async def test_startup_objects_are_out_of_the_collectors_sight_while_serving(models):
     """Stack.start freezes what startup made (a full collection walked it all: 163 ms inside a
-    burst), and Stack.stop hands it back, so exit collects as before."""
+    burst) and collects the young generation less often (its token-id lists), and Stack.stop hands
+    both back, so exit collects as before."""
     import gc
+    from radixflow.services.stack import GC_YOUNG_THRESHOLD
     from . import stacks
+    before = gc.get_threshold()
     st = await stacks.start(models["tiny-dense"])
     try:
+        assert gc.get_threshold()[0] == GC_YOUNG_THRESHOLD
         assert gc.get_freeze_count() > 10_000
         frozen = gc.get_freeze_count()
         code, r = await post(st.base, "/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}})
@@ -195,3 +218,4 @@ async def test_startup_objects_are_out_of_the_collectors_sight_while_serving(mod
     finally:
         await stacks.stop(st)
     assert gc.get_freeze_count() == 0
+    assert gc.get_threshold() == before
