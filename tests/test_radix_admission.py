@@ -57,8 +57,9 @@ def test_parting_point_of_a_grant():
 
 def test_a_late_sibling_resumes_near_its_parting_point():
     """Hybrid: a sibling that arrives after the first of its fan-out was granted alone (no parting
-    point planned) resumes from the ladder of checkpoints back from the end of the first's prompt,
-    not from the start; with state slots short the ladder is not planned."""
+    point planned) resumes from the ladder of checkpoints back from the end of the first's prompt
+    (every page of its last 128 tokens: here exactly where they part), not from the start; with
+    state slots short the ladder is not planned."""
     from radixflow.services.radix.pool import PagePool
     from radixflow.shared.messages import RadixStep, Release
     pre = list(range(100, 3100))                              # 3,000-token preamble
@@ -81,8 +82,8 @@ def test_a_late_sibling_resumes_near_its_parting_point():
         step(pool, [], releases=[Release(rid="a", output_ids=[], computed=3100)])
         got[slots] = (g.checkpoints, step(pool, [late]).grants[0].cached_tokens)
     end = 3100 // 16 * 16
-    assert got[64][0] == sorted({end - d for d in (2048, 1024, 512, 256, 128, 64)} | {end})
-    assert got[64][1] == end - 128                            # 2,960: 40 + 100 tokens to compute
+    assert got[64][0] == sorted({end - d for d in (2048, 1024, 512, 256, *range(16, 129, 16))} | {end})
+    assert got[64][1] == 3000 // 16 * 16                      # where they part: 8 + 100 tokens to compute
     assert got[8] == ([end], 0)                               # short of slots: the whole prompt again
 
 

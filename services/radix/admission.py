@@ -31,11 +31,16 @@ class Admission(_Base):
         return m.state_len if self.hybrid else m.length
 
     # hybrid: checkpoints this far back from the end of a long fresh prompt (see _plan), for a prompt
-    # with more than LADDER_MIN tokens to compute. The rungs at 64 and 128: an agent's siblings part
-    # a few tokens past the shared preamble (3,000 tokens, then each one's 100) and the late one used
-    # to resume at the 256 rung (268 tokens alone in a step while the others waited for the page
-    # they share); at the 128 rung it computes 140, and the fan-out's hit rate is 0.9408, not 0.9397
-    LADDER = (64, 128, 256, 512, 1024, 2048)
+    # with more than LADDER_MIN tokens to compute. An agent's siblings part a few tokens past their
+    # shared preamble (3,000 tokens, then each one's 100). With rungs at 64 and 128 only, the late
+    # fan-out's first sibling computed from the 128 rung to its end alone in a step (141 tokens,
+    # creating the state where they part) while the rest waited for it: ~20 ms of a served fan-out
+    # of 40, whether the siblings came after the first request or with it (they travel past its
+    # admission, so no parting point is planned for them). Every page in the last 128 tokens holds a
+    # rung now: a fan-out whose own parts are that short resumes where it parts, all of it in one
+    # step. The cost: up to 12 state copies during such a prompt's prefill instead of 6, in slots
+    # taken only while they are plentiful (_grant)
+    LADDER = tuple(range(16, 129, 16)) + (256, 512, 1024, 2048)
     LADDER_MIN = 512
 
     def _plan(self, tokens: list[int], usable: int, kv_len: int, extra: list[int], ladder: bool = False) -> list[int]:
