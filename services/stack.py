@@ -19,18 +19,18 @@ ORDER = ("tokenizer", "grammar", "radix", "executor", "scheduler", "gateway")
 _log = log.get("stack")
 # the young generation's collection threshold while serving (Stack.start says why)
 GC_YOUNG_THRESHOLD = 20_000
-_serving = 0                        # stacks serving in this process
+_stacks_serving = 0                 # stacks serving in this process
 _gc_before = gc.get_threshold()     # the threshold before the first of them
 
 
 def _gc_serving(delta: int) -> None:
     """The first stack to serve in a process raises the threshold, the last to stop restores it."""
-    global _serving, _gc_before
-    if delta > 0 and _serving == 0:
+    global _stacks_serving, _gc_before
+    if delta > 0 and _stacks_serving == 0:
         _gc_before = gc.get_threshold()
         gc.set_threshold(GC_YOUNG_THRESHOLD, *_gc_before[1:])
-    _serving += delta
-    if delta < 0 and _serving == 0:
+    _stacks_serving += delta
+    if delta < 0 and _stacks_serving == 0:
         gc.set_threshold(*_gc_before)
 
 

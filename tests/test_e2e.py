@@ -183,7 +183,7 @@ async def test_nats_clients_get_the_same_contract(stack, nats_server):
 def test_the_first_stack_to_serve_raises_the_collection_threshold_and_the_last_restores_it(monkeypatch):
     import gc
     from radixflow.services import stack
-    monkeypatch.setattr(stack, "_serving", 0)       # this test's own count (other tests' stacks may serve)
+    monkeypatch.setattr(stack, "_stacks_serving", 0)       # this test's own count (other tests' stacks may serve)
     monkeypatch.setattr(stack, "_gc_before", stack._gc_before)
     before = gc.get_threshold()
     try:
