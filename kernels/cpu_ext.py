@@ -1,8 +1,8 @@
 """The CPU kernels (gated_delta_rule/cpu_decode.cpp, causal_conv1d/cpu_update.cpp,
 elementwise/cpu_fused.cpp, bitmask/cpu_apply.cpp, attention/cpu_decode.cpp, attention/cpu_prefill.cpp,
 linear/cpu_gemm.cpp): C++ compiled on the machine that runs them, the first time (torch's
-cpp_extension with g++ and ninja, about 30 s on 2 cores; kept in the environment after that, see
-_build_dir).
+cpp_extension with g++ and ninja, about 30 s on 2 cores; kept in the environment after that, one
+build per kind of CPU, see _build_dir).
 
 The build runs in a background thread, started by the first `get()` (the first model step of a
 runner that picked the CPU kernels) or `wait()`: an executor waits for it before it serves
@@ -14,7 +14,9 @@ turns the build off. Benchmarks and tests `wait()` for it.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import subprocess
 import sys
 import threading
@@ -113,15 +115,34 @@ def _load():
     module = f"PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{binds}}}\n"
     build_dir = _build_dir()
     _clear_stale_lock(build_dir)
-    return load_inline("radixflow_cpu_kernels", cpp_sources=[src, decls, module],
+    name = "radixflow_cpu_kernels" if build_dir else f"radixflow_cpu_kernels_{cpu_signature()}"
+    return load_inline(name, cpp_sources=[src, decls, module],
                        extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=build_dir, verbose=False)
 
 
+def cpu_signature(cpuinfo: str | None = None) -> str:
+    """What the build is for: `-march=native` compiles for this CPU's instruction sets, and torch
+    rebuilds only when the sources or the flags change, so an environment that machines with other
+    CPUs share (a virtualenv on a network disk, a container image moved between hosts) would load a
+    build whose instructions their CPU lacks, and the process would die of SIGILL at its first
+    kernel. A hash of the CPU's feature flags (/proc/cpuinfo), or of the platform elsewhere."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    flags = next((line.split(":", 1)[1] for line in cpuinfo.splitlines()
+                  if line.startswith(("flags", "Features")) and ":" in line), "")
+    ident = " ".join(sorted(flags.split())) or f"{platform.machine()} {platform.processor()}"
+    return hashlib.sha1(ident.encode()).hexdigest()[:12]
+
+
 def _build_dir() -> str | None:
-    """Inside the environment (a virtualenv's prefix) where it is writable: the build depends on
-    that environment's torch headers, and two environments sharing torch's default folder would
-    rebuild each other's out. Elsewhere torch's default (~/.cache/torch_extensions)."""
-    d = Path(sys.prefix) / "var" / "radixflow" / "cpu_kernels"
+    """Inside the environment (a virtualenv's prefix) where it is writable, one folder per kind of
+    CPU (cpu_signature): the build depends on that environment's torch headers, and two
+    environments sharing torch's default folder would rebuild each other's out. Elsewhere torch's
+    default (~/.cache/torch_extensions), under a name that carries the signature."""
+    d = Path(sys.prefix) / "var" / "radixflow" / "cpu_kernels" / cpu_signature()
     try:
         d.mkdir(parents=True, exist_ok=True)
         return str(d) if os.access(d, os.W_OK) else None

@@ -294,3 +294,20 @@ def test_rotary_matches_the_reference_exactly(built, T, dtype, R, monkeypatch):
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32      # -0.0 and +0.0 apart too
     assert torch.equal(got.view(bits), want.view(bits))
     assert torch.equal(rope(x, pos, ew_cpu).view(bits), rope(x, pos).view(bits))   # the layer's two paths
+
+
+def test_each_kind_of_cpu_gets_a_build_of_its_own(monkeypatch, tmp_path):
+    """-march=native builds for the CPU that compiles: an environment shared with a machine whose CPU
+    has other instruction sets keeps a second build instead of loading one that dies there (SIGILL)."""
+    from radixflow.kernels import cpu_ext
+    avx512 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma avx512f avx512bw\n"
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n"
+    assert cpu_ext.cpu_signature(avx512) == cpu_ext.cpu_signature(avx512.replace("avx2 fma", "fma avx2"))
+    assert cpu_ext.cpu_signature(avx512) != cpu_ext.cpu_signature(avx2)
+    assert len(cpu_ext.cpu_signature()) == 12                     # this machine's, from /proc/cpuinfo
+    monkeypatch.setattr(cpu_ext.sys, "prefix", str(tmp_path))
+    dirs, signature = set(), cpu_ext.cpu_signature
+    for info in (avx512, avx2):
+        monkeypatch.setattr(cpu_ext, "cpu_signature", lambda info=info: signature(info))
+        dirs.add(cpu_ext._build_dir())
+    assert len(dirs) == 2 and all(d.startswith(str(tmp_path)) for d in dirs)
