@@ -36,8 +36,9 @@ class Admission(_Base):
     # fan-out's first sibling computed from the 128 rung to its end alone in a step (141 tokens,
     # creating the state where they part) while the rest waited for it: ~20 ms of a served fan-out
     # of 40, whether the siblings came after the first request or with it (they travel past its
-    # admission, so no parting point is planned for them). Every page in the last 128 tokens holds a
-    # rung now: a fan-out whose own parts are that short resumes where it parts, all of it in one
+    # admission, so no parting point is planned for them). A rung every 16 tokens of the last 128
+    # now (every page at the default page size; rungs fall to page boundaries, so larger pages get
+    # one a page): a fan-out whose own parts are that short resumes where it parts, all of it in one
     # step. The cost: up to 12 state copies during such a prompt's prefill instead of 6, in slots
     # taken only while they are plentiful (_grant)
     LADDER = tuple(range(16, 129, 16)) + (256, 512, 1024, 2048)
