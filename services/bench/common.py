@@ -3,6 +3,7 @@ embedded nats-server, talk HTTP to it."""
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import os
 import statistics
@@ -12,6 +13,7 @@ from contextlib import asynccontextmanager
 import aiohttp
 
 from radixflow.services.stack import Stack, stack_config
+from radixflow.shared.config import ExecutorConfig
 from radixflow.shared.natsd import NatsServer
 
 PRESETS = ("tiny-dense", "tiny-hybrid")
@@ -31,7 +33,8 @@ def resolve_model(name: str) -> str:
 
 class EngineHost:
     """The in-process Engine baseline in a process of its own, driven over a pipe: `call(name,
-    *args)` runs `name(engine, *args)` from services/bench/decode.py there and returns its result.
+    *args)` runs `name(engine, *args)` from services/bench/decode.py (or, named "module.fn", from
+    that benchmark module) there and returns its result.
 
     Why not in this process: torch's CPU ops run on an OpenMP thread team per calling thread, and
     a second team (the baseline's, beside the served executor's compute thread) slows the served
@@ -74,9 +77,17 @@ class EngineHost:
 
 def _host(conn, model: str, cfg: dict) -> None:
     try:
+        from radixflow.kernels import cpu_ext
+        from radixflow.kernels.dispatch import pick
         from radixflow.services.bench import decode
         from radixflow.services.executor.engine import Engine, EngineConfig
-        engine = Engine(EngineConfig(model=model, **cfg))
+        from radixflow.services.executor.runner import pick_device
+        # as the executor does (service._cpu_kernels): the baseline on the kernels the served side
+        # uses, not on the torch references while their build loads
+        ecfg = EngineConfig(model=model, **cfg)
+        if cpu_ext.enabled() and pick(pick_device(ecfg.device), ecfg.kernels).name == "cpu":
+            cpu_ext.wait(ExecutorConfig().kernel_build_wait_s)
+        engine = Engine(ecfg)
     except Exception as e:       # noqa: BLE001 - reported to the parent, which raises it
         conn.send(repr(e))
         return
@@ -84,7 +95,10 @@ def _host(conn, model: str, cfg: dict) -> None:
     while (msg := conn.recv()) is not None:
         name, args = msg
         try:
-            conn.send((True, getattr(decode, name)(engine, *args)))
+            # "fn": decode.fn; "module.fn": a function of another benchmark module
+            mod, _, fn = name.rpartition(".")
+            where = importlib.import_module(f"radixflow.services.bench.{mod}") if mod else decode
+            conn.send((True, getattr(where, fn)(engine, *args)))
         except Exception as e:   # noqa: BLE001
             conn.send((False, repr(e)))
 

@@ -7,6 +7,9 @@ Reported per side: prefill tokens computed (prompt - cached, from each response)
 use (sampled from the radix service), wall time, the FLOPs of what was computed and the compute
 floor they set at the GEMM peak measured on the spot (flops.py: wall_over_floor); and the ratios
 off/on. Greedy outputs must match.
+
+--engine adds the same runs on the Engine alone (no HTTP, NATS or services; common.EngineHost),
+cache on and off: which part of a ratio the engine reaches, and what the service path adds to it.
 """
 from __future__ import annotations
 
@@ -14,9 +17,11 @@ import asyncio
 import random
 import statistics
 
+from radixflow.services.executor.engine import Engine
 from radixflow.services.executor.models.spec import ModelSpec
+from radixflow.shared.messages import ExecRequest, SamplingParams
 
-from .common import Timer, encoded, generate, served
+from .common import EngineHost, Timer, encoded, generate, served
 from .flops import measure_peak, request_flops
 from .peer import describe, paused
 
@@ -161,9 +166,55 @@ async def _peer(url: str, runs: list, out_tokens: int, first_alone: bool) -> dic
             "prefix_hit_rate": round(cached / prompt, 4) if prompt else 0.0}
 
 
+def engine_run(engine: Engine, pre: list[int], sufs: list[list[int]], out_tokens: int, first_alone: bool,
+               tag: str) -> dict:
+    """One run of the workload on the Engine, stepped as the executor's compute thread steps it
+    (run in common.EngineHost's process); its requests' ids start with `tag`."""
+    sampling = SamplingParams(max_new_tokens=out_tokens, temperature=0, ignore_eos=True)
+    reqs = [ExecRequest(rid=f"{tag}-{i}", input_ids=pre + s, eos_token_ids=[], sampling=sampling)
+            for i, s in enumerate(sufs)]
+    outs: dict[str, list[int]] = {r.rid: [] for r in reqs}
+    before = dict(engine.counters)
+
+    def until_idle() -> None:
+        while engine.has_work():
+            for _, o in engine.step():
+                if o.error:
+                    raise RuntimeError(f"{o.rid}: {o.error}")
+                outs[o.rid] += o.token_ids
+
+    with Timer() as t:
+        rest = reqs
+        if first_alone:
+            engine.add(reqs[0])
+            until_idle()
+            rest = reqs[1:]
+        for r in rest:
+            engine.add(r)
+        until_idle()
+    grew = {k: engine.counters[k] - before.get(k, 0) for k in ("prompt_tokens_total", "cached_tokens_total")}
+    return {"wall_s": t.s, "prefill_tokens_computed": grew["prompt_tokens_total"] - grew["cached_tokens_total"],
+            "outputs": [outs[r.rid] for r in reqs]}
+
+
+def _engine_side(model: str, runs: list, out_tokens: int, cache: bool, first_alone: bool, dtype: str) -> dict:
+    """The runs on the Engine alone, in a process of its own (EngineHost: its thread team does not
+    slow the served side's), after an untimed run of the workload's shapes as on the served side."""
+    with EngineHost(model, dtype=dtype, disable_radix_cache=not cache) as host:
+        pre, sufs = runs[0]
+        prompts = shaped(pre, sufs)
+        host.call("shared_prefix.engine_run", prompts[0][:len(pre)], [p[len(pre):] for p in prompts], out_tokens,
+                  first_alone, "warm")
+        res = [host.call("shared_prefix.engine_run", pre, sufs, out_tokens, first_alone, f"run{r}")
+               for r, (pre, sufs) in enumerate(runs)]
+    walls = [x["wall_s"] for x in res]
+    return {"prefill_tokens_computed": res[-1]["prefill_tokens_computed"], "wall_s": round(statistics.median(walls), 3),
+            "wall_s_runs": [round(w, 3) for w in walls], "outputs": [o for x in res for o in x["outputs"]]}
+
+
 def run_shared_prefix(model: str, preamble: int, suffix: int, n: int, out_tokens: int, first_alone: bool,
                       against: str | None = None, dtype: str = "auto", repeats: int = 3,
-                      pause_peer: bool = True) -> dict:
+                      pause_peer: bool = True, engine: bool = False) -> dict:
     """Each side runs the workload `repeats` times, each time with other token ids (a cold cache:
     preamble computed once per run), and reports the median wall time: on a loaded 2-core machine
     one run's wall time moves by 10-40% (another process's wakeups, such as an idle peer server's
@@ -183,6 +234,8 @@ def run_shared_prefix(model: str, preamble: int, suffix: int, n: int, out_tokens
         on["gemm_peak_gflops"] = round(measure_peak(model, on["dtype"]) / 1e9, 1)
         off = asyncio.run(_side(model, runs, out_tokens, False, first_alone, dtype))
         off["gemm_peak_gflops"] = round(measure_peak(model, off["dtype"]) / 1e9, 1)
+        eng = {cache: _engine_side(model, runs, out_tokens, cache, first_alone, on["dtype"])
+               for cache in ((True, False) if engine else ())}
     for side in (on, off):
         side["floor_s"] = round(side["gflops"] / side["gemm_peak_gflops"], 3)
         side["wall_over_floor"] = round(side["wall_s"] / side["floor_s"], 2)
@@ -219,4 +272,25 @@ def run_shared_prefix(model: str, preamble: int, suffix: int, n: int, out_tokens
             "bound_prefill_tokens": (2 if "state_slots_used" in on else 1) * preamble + n * suffix}
     if peer is not None:
         out["against"] = peer
+    if engine:
+        out["engine"] = _engine_summary(eng, on, off, outs_on)
     return out
+
+
+def _engine_summary(eng: dict, on: dict, off: dict, outs_on: list) -> dict:
+    """The Engine-alone side beside the served one: its own ratios, and what the service path adds
+    (served_over_engine: the served side's wall time over the engine's, cache on and off)."""
+    e_on, e_off = eng[True], eng[False]
+    token_ratio = e_off["prefill_tokens_computed"] / max(e_on["prefill_tokens_computed"], 1)
+    wall_ratio = e_off["wall_s"] / max(e_on["wall_s"], 1e-9)
+    same = sum(a == b for a, b in zip(e_on.pop("outputs"), outs_on))
+    e_off.pop("outputs")
+    for side, served_side in ((e_on, on), (e_off, off)):
+        # the served side's floor: the same tokens computed (checked below), the same FLOPs
+        side["wall_over_floor"] = round(side["wall_s"] / served_side["floor_s"], 2)
+        side["served_over_engine"] = round(served_side["wall_s"] / max(side["wall_s"], 1e-9), 3)
+    return {"cache_on": e_on, "cache_off": e_off, "prefill_token_ratio": round(token_ratio, 2),
+            "wall_speedup": round(wall_ratio, 2), "wall_speedup_over_token_ratio": round(wall_ratio / token_ratio, 3),
+            "same_tokens_computed_as_served": e_on["prefill_tokens_computed"] == on["prefill_tokens_computed"]
+            and e_off["prefill_tokens_computed"] == off["prefill_tokens_computed"],
+            "greedy_outputs_identical_to_served": f"{same}/{len(outs_on)}"}

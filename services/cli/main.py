@@ -260,7 +260,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     elif a.which == "shared-prefix":
         from radixflow.services.bench.shared_prefix import run_shared_prefix
         out = run_shared_prefix(model, a.preamble, a.suffix, a.requests, a.output_tokens, a.first_alone, a.against,
-                                dtype=a.dtype, repeats=a.repeats or 3, pause_peer=not a.no_pause_peer)
+                                dtype=a.dtype, repeats=a.repeats or 3, pause_peer=not a.no_pause_peer,
+                                engine=a.engine)
     else:
         print(f"unknown benchmark {a.which!r}", file=sys.stderr)
         return 2
@@ -331,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="shared-prefix, scaling: the executor's compute dtype (the floor uses its GEMM peak)")
     p.add_argument("--first-alone", action="store_true", help="shared-prefix: send the first request before the rest")
+    p.add_argument("--engine", action="store_true",
+                   help="shared-prefix: also run the workload on the Engine alone (no service path), cache on and off")
     p.add_argument("--executors", default="2,4", help="routing: comma-separated executor counts")
     p.add_argument("--preambles", type=int, default=4, help="routing: distinct agent preambles")
     p.add_argument("--calls", type=int, default=16, help="routing: calls per preamble in each of two waves")
