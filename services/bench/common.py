@@ -3,6 +3,7 @@ embedded nats-server, talk HTTP to it."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib
 import json
 import os
@@ -12,7 +13,7 @@ from contextlib import asynccontextmanager
 
 import aiohttp
 
-from radixflow.services.stack import Stack, stack_config
+from radixflow.services.stack import GC_YOUNG_THRESHOLD, Stack, stack_config
 from radixflow.shared.config import ExecutorConfig
 from radixflow.shared.natsd import NatsServer
 
@@ -85,6 +86,8 @@ def _host(conn, model: str, cfg: dict) -> None:
         # as the executor does (service._cpu_kernels): the baseline on the kernels the served side
         # uses, not on the torch references while their build loads
         ecfg = EngineConfig(model=model, **cfg)
+        # and with the collector set as a serving stack sets it (stack.Stack.start)
+        gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
         if cpu_ext.enabled() and pick(pick_device(ecfg.device), ecfg.kernels).name == "cpu":
             cpu_ext.wait(ExecutorConfig().kernel_build_wait_s)
         engine = Engine(ecfg)
