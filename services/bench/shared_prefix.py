@@ -201,10 +201,9 @@ def _engine_side(model: str, runs: list, out_tokens: int, cache: bool, first_alo
     """The runs on the Engine alone, in a process of its own (EngineHost: its thread team does not
     slow the served side's), after an untimed run of the workload's shapes as on the served side."""
     with EngineHost(model, dtype=dtype, disable_radix_cache=not cache) as host:
-        pre, sufs = runs[0]
-        prompts = shaped(pre, sufs)
-        host.call("shared_prefix.engine_run", prompts[0][:len(pre)], [p[len(pre):] for p in prompts], out_tokens,
-                  first_alone, "warm")
+        n = len(runs[0][0])
+        warm = shaped(*runs[0])
+        host.call("shared_prefix.engine_run", warm[0][:n], [p[n:] for p in warm], out_tokens, first_alone, "warm")
         res = [host.call("shared_prefix.engine_run", pre, sufs, out_tokens, first_alone, f"run{r}")
                for r, (pre, sufs) in enumerate(runs)]
     walls = [x["wall_s"] for x in res]
