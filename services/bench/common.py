@@ -79,16 +79,15 @@ class EngineHost:
 def _host(conn, model: str, cfg: dict) -> None:
     try:
         from radixflow.kernels import cpu_ext
-        from radixflow.kernels.dispatch import pick
         from radixflow.services.bench import decode
         from radixflow.services.executor.engine import Engine, EngineConfig
-        from radixflow.services.executor.runner import pick_device
+        from radixflow.services.executor.runner import takes_cpu_kernels
         # as the executor does (service._cpu_kernels): the baseline on the kernels the served side
         # uses, not on the torch references while their build loads
         ecfg = EngineConfig(model=model, **cfg)
         # and with the collector set as a serving stack sets it (stack.Stack.start)
         gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
-        if cpu_ext.enabled() and pick(pick_device(ecfg.device), ecfg.kernels).name == "cpu":
+        if takes_cpu_kernels(ecfg.device, ecfg.kernels) and cpu_ext.enabled():
             cpu_ext.wait(ExecutorConfig().kernel_build_wait_s)
         engine = Engine(ecfg)
     except Exception as e:       # noqa: BLE001 - reported to the parent, which raises it

@@ -25,6 +25,16 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def takes_cpu_kernels(device: str, kernels: str) -> bool:
+    """Whether a runner with these settings picks the CPU kernels, whose build a process waits for
+    before it serves (executor.service._cpu_kernels, the benchmarks' Engine baseline). An impossible
+    choice: False (the runner raises the clear error)."""
+    try:
+        return pick_kernels(pick_device(device), kernels).name == "cpu"
+    except ValueError:
+        return False
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 

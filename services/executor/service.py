@@ -118,13 +118,8 @@ class ExecutorService(Actor):
         serve, as before. Before the Engine exists: it registers with radix, which expects
         heartbeats right after."""
         from radixflow.kernels import cpu_ext
-        from radixflow.kernels.dispatch import pick
-        from .runner import pick_device
-        try:
-            cpu = pick(pick_device(self.cfg.device), self.cfg.kernels).name == "cpu"
-        except ValueError:
-            return                       # an impossible choice: the runner raises the clear error
-        if cpu and cpu_ext.enabled():
+        from .runner import takes_cpu_kernels
+        if takes_cpu_kernels(self.cfg.device, self.cfg.kernels) and cpu_ext.enabled():
             t0 = time.perf_counter()
             built = await loop.run_in_executor(None, cpu_ext.wait, self.cfg.kernel_build_wait_s)
             self.log.info("cpu kernels ready" if built is not None else "cpu kernels not ready: torch references serve",
