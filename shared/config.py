@@ -76,6 +76,8 @@ class SchedulerConfig:
                                       # (an output lost to a NATS reconnect ends it with a clear error)
     max_resamples: int = 3            # structured output: a finished output that fails its check is
                                       # sampled again (new seed) up to this many times, then a clear error
+    check_budget_s: float = 1.0       # ... and one check (a schema's patterns included) gets this long: past
+                                      # it the request fails with a 400 (shared/patterns.py)
 
 
 @dataclass(frozen=True)

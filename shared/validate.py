@@ -62,6 +62,9 @@ def one_constraint(json_schema: str | None = None, regex: str | None = None, ebn
 def check_request(r: GenerateRequest) -> None:
     if len(r.rid) > MAX_RID or not r.rid.isprintable():
         raise BadRequest(f"rid must be at most {MAX_RID} printable characters", param="rid")
+    if not r.tenant or "/" in r.tenant:
+        raise BadRequest("tenant must be a non-empty name without '/' (ids are scoped by it: shared/ids.py)",
+                         param="tenant")
     given = [n for n, v in (("text", r.text), ("messages", r.messages), ("input_ids", r.input_ids)) if v is not None]
     if len(given) != 1:
         raise BadRequest("exactly one of text, messages or input_ids is required" if not given

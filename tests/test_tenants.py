@@ -294,11 +294,16 @@ async def test_limits_scopes_and_scoped_flush_through_the_stack(engine, nats_ser
             await run("second", "acme", limits=one)
         assert e.value.code == 429 and e.value.retry_after and e.value.retry_after > 0
         await run("other", "globex", limits=one)
-        await bus.publish(subjects.SCHEDULER_ABORT, AbortRequest(rids=["long"]))
+        # ids are scoped by tenant: globex's abort of "long" leaves acme's running (its slot still held)
+        await bus.publish(subjects.SCHEDULER_ABORT, AbortRequest(rids=["long"], tenant="globex"))
+        await run("other2", "globex", limits=one)
+        with pytest.raises(Overloaded):
+            await run("second2", "acme", limits=one)
+        await bus.publish(subjects.SCHEDULER_ABORT, AbortRequest(rids=["long"], tenant="acme"))
         assert [i async for i in s][-1].finish_reason == "abort"
     await run("again", "acme", limits=one)            # its slot came back when "long" ended
     got = {(x.name, x.labels.get("tenant")): x.value for x in sched.metrics()}
-    assert got[("tenant_rejected_total", "acme")] == 1 and got[("tenant_requests_total", "acme")] == 2
+    assert got[("tenant_rejected_total", "acme")] == 2 and got[("tenant_requests_total", "acme")] == 2
     assert got[("tenant_requests_inflight", "acme")] == 0 and got[("tenant_queued_tokens", "acme")] == 0
 
     # two tenants naming one cache scope share its cache; a third keeps its own

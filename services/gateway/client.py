@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from radixflow.shared import subjects
+from radixflow.shared import ids, subjects
 from radixflow.shared.bus import Bus, InboxStream
-from radixflow.shared.errors import NotFound, RadixflowError, RequestTimeout, ServiceUnavailable, StreamGap, from_reply
+from radixflow.shared.errors import NotFound, RadixflowError, RequestLost, RequestTimeout, ServiceUnavailable, StreamGap, from_reply
 from radixflow.shared.messages import (AbortRequest, Accepted, DetokenizeReply, DetokenizeRequest, DetokItem, LiveQuery,
                                        LiveReply,
                                        ErrorReply, ExecutorInfo, GenerateRequest, Heartbeat, ProgramAccepted,
@@ -143,7 +143,8 @@ class EngineClient:
             for rid, (sched, stream) in list(self._streams.items()):
                 last = self._schedulers.get(sched)
                 if last is not None and now - last > self.scheduler_timeout_s:
-                    stream.fail(ServiceUnavailable(f"scheduler {sched} stopped responding; request {rid} was lost"))
+                    stream.fail(ServiceUnavailable(f"scheduler {sched} stopped responding; request "
+                                                   f"{ids.unscoped(rid)} was lost"))
                 elif now - stream.heard_at > self.stall_check_s and now - stream.probed_at > self.stall_check_s:
                     stream.probed_at = now
                     silent.setdefault(sched, []).append((rid, stream))
@@ -163,7 +164,7 @@ class EngineClient:
         for rid, stream in streams:
             if rid not in known and time.monotonic() - stream.heard_at > self.stall_check_s \
                     and not await stream.recover():
-                stream.fail(StreamGap(f"the end of request {rid} was lost in transit"))
+                stream.fail(StreamGap(f"the end of request {ids.unscoped(rid)} was lost in transit"))
 
     async def _resend(self, sched: str, subject: str, seq: int) -> list | None:
         """The items of one of our streams from `seq` on, sent again by its scheduler."""
@@ -176,7 +177,8 @@ class EngineClient:
     def generate(self, req: GenerateRequest) -> AsyncIterator[Accepted | StreamChunk]:
         """Yield Accepted, then every StreamChunk; a StreamError raises its typed error.
         Leaving early (client gone) aborts the request."""
-        return self._submit(subjects.SCHEDULER_SUBMIT, req, Accepted, req.rid, 60, lambda: self._abort(req.rid))
+        return self._submit(subjects.SCHEDULER_SUBMIT, req, Accepted, ids.scoped(req.tenant, req.rid), 60,
+                            lambda: self._abort(req.rid, req.tenant))
 
     def program(self, req: ProgramRequest) -> AsyncIterator[ProgramAccepted | ProgramEvent]:
         """Yield ProgramAccepted, then every ProgramEvent up to the terminal one. Leaving early
@@ -186,16 +188,23 @@ class EngineClient:
                 await self.program_op("cancel", ProgramQuery(id=req.id, tenant=req.tenant))
             except RadixflowError:
                 pass
-        return self._submit(subjects.SCHEDULER_PROGRAM, req, ProgramAccepted, req.id, 120, cancel)
+        return self._submit(subjects.SCHEDULER_PROGRAM, req, ProgramAccepted, ids.scoped(req.tenant, req.id), 120,
+                            cancel)
 
     async def _submit(self, subject: str, req, accepted: type, key: str, timeout: float,
                       abandon: Callable[[], Awaitable[None]]) -> AsyncIterator:
         """Subscribe the stream inbox, submit (accepted or refused fast), then read the stream to
-        its terminal item; the owning scheduler is watched while it runs."""
+        its terminal item; the owning scheduler is watched while it runs. `key` is the request's id
+        scoped by its tenant (shared/ids.py)."""
         done = False
         async with self.bus.open_stream(idle_timeout_s=self.request_timeout_s) as stream:
             req.stream_subject = stream.subject
-            acc = await self.bus.request(subject, req, accepted, timeout=timeout)
+            try:
+                acc = await self.bus.request(subject, req, accepted, timeout=timeout)
+            except (RequestTimeout, RequestLost):
+                # no answer is not a refusal: it may have been accepted, and would run unseen
+                await abandon()
+                raise
             self._streams[key] = (acc.scheduler, stream)
             stream.refill = lambda seq, sched=acc.scheduler, subject=stream.subject: self._resend(sched, subject, seq)
             self._schedulers.setdefault(acc.scheduler, time.monotonic())
@@ -219,7 +228,7 @@ class EngineClient:
     async def program_op(self, op: str, q: ProgramQuery) -> ProgramInfo:
         """GET or cancel a program at its scheduler (known when this gateway submitted it), else ask
         every scheduler: only the owner answers, so silence is a 404."""
-        owner = self._owners.get(q.id)
+        owner = self._owners.get(ids.scoped(q.tenant, q.id))
         if owner is not None:
             try:
                 return await self.bus.request(subjects.program_op(owner, op), q, ProgramInfo, timeout=10,
@@ -237,9 +246,9 @@ class EngineClient:
         for _, stream in list(self._streams.values()):
             stream.fail(err)
 
-    async def _abort(self, rid: str) -> None:
+    async def _abort(self, rid: str, tenant: str) -> None:
         try:
-            await self.bus.publish(subjects.SCHEDULER_ABORT, AbortRequest(rids=[rid]))
+            await self.bus.publish(subjects.SCHEDULER_ABORT, AbortRequest(rids=[rid], tenant=tenant))
         except RadixflowError:
             pass
 

@@ -1,6 +1,6 @@
 """The SGLang-native dialect: POST /generate (one prompt or a batch, streaming as SGLang does: every
 event carries the cumulative text), /tokenize, /detokenize, /get_model_info, /get_server_info,
-/health_generate.
+/health_generate, /abort_request.
 
     {"text": "..." | [...], "input_ids": [...] | [[...]], "sampling_params": {...} | [{...}],
      "return_logprob": bool, "logprob_start_len": int, "top_logprobs_num": int, "return_text_in_logprobs": bool}
@@ -21,13 +21,15 @@ from aiohttp import web
 
 from radixflow.shared import log, subjects
 from radixflow.shared.errors import BadRequest, RadixflowError
-from radixflow.shared.messages import (Accepted, DetokenizeReply, DetokenizeRequest, DetokItem, EncodeReply,
+from radixflow.shared.messages import (AbortRequest, Accepted, DetokenizeReply, DetokenizeRequest, DetokItem, EncodeReply,
                                        EncodeRequest, GenerateRequest, SamplingParams, TopLogprobs)
 from radixflow.shared.validate import check_request
 
 from . import protocol as P
 from .app import CLIENT, CONFIG, KEYS, check_open, principal, request_for
 from .client import Choice, Result, new_rid
+
+HEALTH = web.AppKey("health_generate", dict)
 from .sse import SSE
 
 
@@ -259,18 +261,57 @@ async def get_server_info(request: web.Request) -> web.Response:
                               "host": cfg.host, "port": cfg.port})
 
 
+HEALTH_GENERATE_S = 10.0     # /health_generate: one generation per this long, whoever asks
+
+
 async def health_generate(request: web.Request) -> web.Response:
-    """200 once a one-token generation has gone through every service (SGLang's deep health check)."""
+    """200 once a one-token generation has gone through every service (SGLang's deep health check).
+    It is open to probes, so it must not be a way to make the server generate: every caller within
+    HEALTH_GENERATE_S of the last run gets that run's result, and concurrent callers share one run."""
     check_open(request)
-    models = request.app[CLIENT].models()
+    state = request.app[HEALTH]
+    now = time.monotonic()
+    if state.get("task") is None and now - state.get("at", -1e9) > HEALTH_GENERATE_S:
+        state["task"] = asyncio.ensure_future(_health_run(request.app))
+    if state.get("task") is not None:
+        await asyncio.shield(state["task"])
+    status, body = state.get("result", (503, {"status": "unavailable", "error": "the check was interrupted"}))
+    return web.json_response(body | {"age_s": round(time.monotonic() - state.get("at", time.monotonic()), 3)},
+                             status=status)
+
+
+async def _health_run(app: web.Application) -> None:
+    state = app[HEALTH]
+    models = app[CLIENT].models()
     req = GenerateRequest(rid=new_rid(), stream_subject="", input_ids=[0], stream=False, tenant="!health",
                           sampling=SamplingParams(max_new_tokens=1, temperature=0))
     try:
-        await asyncio.wait_for(request.app[CLIENT].complete(req), timeout=20)
+        await asyncio.wait_for(app[CLIENT].complete(req), timeout=20)
+        state["result"] = 200, {"status": "ok", "model": models[0].model if models else None}
     except (RadixflowError, asyncio.TimeoutError) as e:
         msg = e.message if isinstance(e, RadixflowError) else "no answer within 20s"
-        return web.json_response({"status": "unavailable", "error": msg}, status=503)
-    return web.json_response({"status": "ok", "model": models[0].model if models else None})
+        state["result"] = 503, {"status": "unavailable", "error": msg}
+    finally:
+        state["at"], state["task"] = time.monotonic(), None
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    """SGLang's POST /abort_request {"rid": ...}: abort the caller's own request of that id (ids are
+    scoped by tenant: another tenant's request of the same id is not touched). 200 whether or not
+    it was running, so that the answer says nothing about ids in use."""
+    check_open(request)
+    who = principal(request)
+    try:
+        body = await request.json()
+    except ValueError:
+        raise BadRequest("the body is not JSON") from None
+    rid = body.get("rid") if isinstance(body, dict) else None
+    rids = [rid] if isinstance(rid, str) else rid
+    if not rids or not isinstance(rids, list) or not all(isinstance(r, str) and 0 < len(r) <= 256 for r in rids) \
+            or len(rids) > 1024:
+        raise BadRequest("rid must be a request id or a list of at most 1024 of them", param="rid")
+    await request.app[CLIENT].bus.publish(subjects.SCHEDULER_ABORT, AbortRequest(rids=rids, tenant=who.tenant))
+    return web.json_response({})
 
 
 def add_routes(app: web.Application) -> None:
@@ -281,3 +322,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/get_server_info", get_server_info)
     app.router.add_get("/server_info", get_server_info)      # what sglang.get_server_info() asks
     app.router.add_get("/health_generate", health_generate)
+    app.router.add_post("/abort_request", abort_request)
+    app[HEALTH] = {}

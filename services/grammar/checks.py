@@ -7,12 +7,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from radixflow.shared import patterns
+
 from .merge import _key, _kinds, _search, _value_kinds
 
 
 def _valid(validator: Any, value: Any) -> bool:
     try:
         return validator.is_valid(value)
+    except patterns.PatternTimeout:
+        raise           # a hostile pattern: the schema is refused (compiler.py), not the value dropped
     except Exception:   # a pattern Python cannot read: drop the value, which only narrows
         return False
 

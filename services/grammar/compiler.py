@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 
-from radixflow.shared import log
+from radixflow.shared import log, patterns
 from radixflow.shared.errors import BadRequest, RadixflowError
 
 from .cache import CacheEntry, GrammarCache
@@ -56,7 +56,20 @@ TOO_LARGE = "schema too large"     # llguidance's refusal of a schema past its n
 # llguidance. Half the 1 s compile target: what the cost model (cost.py) wrongly lets through then
 # costs the request this, the lint and an llguidance compile (milliseconds), still under 1 s.
 AUTO_BUDGET_S = 0.5
+# the lint matches a schema's own patterns against its enum values and property names: all of one
+# schema's matching gets this long, past it the schema is refused (a backtracking pattern)
+PATTERN_BUDGET_S = 1.0
 _log = log.get("grammar")
+
+
+def _budgeted(fn, *args):
+    """fn(*args) with the schema's pattern matching under PATTERN_BUDGET_S (in a lint thread: the
+    `regex` engine releases the GIL while it matches, so the event loop keeps running)."""
+    try:
+        with patterns.budget(PATTERN_BUDGET_S):
+            return fn(*args)
+    except patterns.PatternTimeout as e:
+        raise BadRequest(f"the schema was refused: {e.describe()}", param="response_format") from None
 
 
 class _OverBudget(BadRequest):
@@ -293,7 +306,7 @@ class Compiler:
             # compiles the prepared one. llguidance takes the schema as sent: it reports itself what
             # it ignores (backends/llguidance.py)
             try:
-                prepared, enforcement = await loop.run_in_executor(self._threads, prepare, canon.value, checked)
+                prepared, enforcement = await loop.run_in_executor(self._threads, _budgeted, prepare, canon.value, checked)
             except Unsupported:
                 raise                    # xgrammar's refusal only: auto tries llguidance
             except BadRequest as e:
@@ -301,7 +314,7 @@ class Compiler:
             text = json.dumps(prepared, separators=(",", ":"), ensure_ascii=False)
         elif canon.kind == "json_schema" and not checked:
             try:
-                await loop.run_in_executor(self._threads, drafts.check, canon.value)
+                await loop.run_in_executor(self._threads, _budgeted, drafts.check, canon.value)
             except BadRequest as e:      # invalid: final for auto's xgrammar try too
                 raise _SchemaRefused(e.message, param=e.param) from None
         started_once = False
@@ -320,7 +333,7 @@ class Compiler:
             # large anyOf at every use (a CI config's hundreds of tasks) passes that; normalized
             # (same meaning: allOf merged, enum-only branches joined, repeats shared as $defs) it fits
             try:
-                normal = await loop.run_in_executor(self._threads, normalize, canon.value)
+                normal = await loop.run_in_executor(self._threads, _budgeted, normalize, canon.value)
             except BadRequest:
                 normal = None
             if normal is not None:
@@ -328,7 +341,7 @@ class Compiler:
         if result[0] == "error" and backend == "llguidance" and canon.kind == "json_schema":
             # llguidance refuses some regexes (lookarounds, \A, \b) and gives up intersecting a
             # pattern with a long length bound: the schema widened there, and the output checked
-            wider = await loop.run_in_executor(self._threads, widen_for_llguidance, canon.value)
+            wider = await loop.run_in_executor(self._threads, _budgeted, widen_for_llguidance, canon.value)
             if wider is not None:
                 retry = await run(json.dumps(wider, separators=(",", ":"), ensure_ascii=False))
                 if retry[0] == "ok":

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 
+from radixflow.shared import patterns
 from radixflow.shared.errors import BadRequest
 
 MAX_DEPTH = 64            # schema levels; Draft202012Validator.check_schema gives out near 70
@@ -140,8 +141,9 @@ def _all_list(schemas: list) -> Any:
 
 
 def _search(pattern: str, name: str) -> bool:
+    """A caller's pattern on a name of its schema: budgeted (a PatternTimeout propagates)."""
     try:
-        return re.search(pattern, name) is not None
+        return patterns.search(pattern, name) is not None
     except re.error:   # an ECMA-only pattern: assume no match, which can only narrow
         return False
 

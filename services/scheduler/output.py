@@ -9,15 +9,16 @@ detokenizer, the stream log, the recovery and the latency histograms.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING
 
 import msgspec
 
-from radixflow.shared import log, subjects
+from radixflow.shared import ids, log, subjects
 from radixflow.shared.errors import RadixflowError
-from radixflow.shared.messages import (AbortRequest, DetokItem, ExecAccepted, Resend, Resent, StepOutput, StreamChunk,
-                                       StreamError, Usage)
+from radixflow.shared.messages import (AbortRequest, DetokItem, ExecAccepted, Resend, Resent, SeqOutput, StepOutput,
+                                       StreamChunk, StreamError, Usage)
 
 from .stops import StopMatcher
 from .table import Tracked
@@ -75,15 +76,13 @@ class OutputPath(_Base):
             text, hit = t.stops.feed(d.text, final=o.finished)
             if t.check is not None:
                 t.text += text
-                bad = t.check.error(t.text, "stop" if hit is not None else o.finish_reason) \
-                    if (o.finished or hit is not None) and not o.error else None
-                if bad is not None:
-                    if o.finished and o.finish_reason != "length" and await self._resample(t, bad):
-                        continue
-                    await self.fail(t, 400 if o.finish_reason == "length" else 500,
-                                     "invalid_request_error" if o.finish_reason == "length" else "invalid_output",
-                                     bad + (f" (after {t.resamples + 1} attempts)" if t.resamples else ""),
-                                     abort=not o.finished)
+                if (o.finished or hit is not None) and not o.error:
+                    # its end waits for the check, which runs a caller's patterns: off the loop, and
+                    # not in this ordered handler, where it would hold every other request's outputs
+                    t.stopping = True
+                    task = asyncio.ensure_future(self._checked_end(t, o, text, hit))
+                    self._checking.add(task)
+                    task.add_done_callback(self._checking.discard)
                     continue
             if o.error:
                 await self.fail(t, o.error_code, "service_unavailable" if o.error_code == 503 else "internal_error",
@@ -102,6 +101,27 @@ class OutputPath(_Base):
         for ex, rids in stopped.items():
             await self.bus.publish(subjects.executor_abort(ex), AbortRequest(rids=rids))
 
+    async def _checked_end(self, t: Tracked, o: SeqOutput, text: str, hit) -> None:
+        """A checked request's end: the output check (a thread), then its end, a resample or its error."""
+        try:
+            bad = await self.checks.error(t.check, t.text, "stop" if hit is not None else o.finish_reason)
+        except RadixflowError as e:      # the check ran out of time: the schema, not the output
+            await self.fail(t, e.code, e.kind, e.message, abort=not o.finished)
+            return
+        if bad is not None:
+            if o.finished and o.finish_reason != "length" and await self._resample(t, bad):
+                return
+            await self.fail(t, 400 if o.finish_reason == "length" else 500,
+                            "invalid_request_error" if o.finish_reason == "length" else "invalid_output",
+                            bad + (f" (after {t.resamples + 1} attempts)" if t.resamples else ""),
+                            abort=not o.finished)
+        elif hit is not None:
+            await self._end(t, text, "stop", hit)
+            if not o.finished:
+                await self._abort_quietly(t.executor, [t.rid])
+        else:
+            await self._end(t, text, o.finish_reason or "stop", o.matched_stop)
+
     async def _send(self, t: Tracked, item: StreamChunk | StreamError) -> None:
         if t.sink is not None:
             await t.sink(item)
@@ -114,6 +134,7 @@ class OutputPath(_Base):
         terminal = isinstance(item, StreamError) or item.finished
         if terminal:
             self.ended.add(rid)
+        item.rid = ids.unscoped(item.rid)         # the caller's own id (ours is scoped by its tenant)
         self.streams.record(subject, item, terminal)
         try:
             await self.bus.publish(subject, item, as_json)
@@ -165,6 +186,7 @@ class OutputPath(_Base):
         t.heard_at = time.monotonic()
         t.text, t.held = "", ""
         t.stops = StopMatcher(t.sampling.stop)
+        t.stopping = False
         try:
             await self.bus.request(subjects.executor_submit(t.executor), req, ExecAccepted, timeout=40)
         except RadixflowError as e:

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from radixflow.shared import subjects
+from radixflow.shared import ids, subjects
 from radixflow.shared.errors import BadRequest, NotFound, RadixflowError
 from radixflow.shared.messages import (AbortRequest, CacheHints, Demote, ExecRequest, ProgramAccepted, ProgramEvent,
                                        ProgramInfo, ProgramQuery, ProgramRequest, Sample, StreamChunk, StreamError)
@@ -40,6 +40,7 @@ class ProgramRun:
 
     def __init__(self, req: ProgramRequest, graph: ProgramGraph, namespace: str, timeout_s: float):
         self.id, self.subject, self.stream, self.tenant = req.id, req.stream_subject, req.stream, req.tenant
+        self.key = ids.scoped(req.tenant, req.id)    # the caller's id is its own; ours is scoped by tenant
         self.json = req.json_stream
         self.graph = graph
         self.namespace = namespace
@@ -63,7 +64,7 @@ class ProgramRun:
         return sum(len(n.own_ids or ()) + (n.spec.gen.max_tokens if n.spec.gen else 0) for n in graph.order)
 
     def rid(self, n: Node, job: Job) -> str:
-        return f"{self.id}/{n.id}{job.suffix}"
+        return f"{self.key}/{n.id}{job.suffix}"
 
     def info(self) -> ProgramInfo:
         return ProgramInfo(id=self.id, state=self.state, nodes=[self.graph.result(n) for n in self.graph.order])
@@ -86,7 +87,10 @@ class ProgramDriver:
     # ------------------------------------------------------------ intake
 
     async def submit(self, req: ProgramRequest) -> ProgramAccepted:
-        if req.id in self.runs or req.id in self.ended:
+        if req.tenant == "" or "/" in req.tenant:
+            raise BadRequest("tenant must be a non-empty name without '/'", param="tenant")
+        key = ids.scoped(req.tenant, req.id)
+        if key in self.runs or key in self.ended:
             raise BadRequest(f"program id {req.id!r} is already in use", param="id")
         self.sched.check_room()
         cfg = self.sched.cfg
@@ -115,7 +119,7 @@ class ProgramDriver:
         except BaseException:
             self.sched.tenants.release(run.ticket)
             raise
-        self.runs[run.id] = run
+        self.runs[run.key] = run
         self._spawn(self.advance(run))
         return ProgramAccepted(id=run.id, scheduler=self.sched.instance, nodes=len(graph.nodes))
 
@@ -124,7 +128,7 @@ class ProgramDriver:
         gens = [(n, constraint_of(n.spec.gen)) for n in run.graph.order if n.spec.gen is not None]
         distinct = {(c.kind, c.spec): c for _, c in gens if c is not None}
         keys = list(distinct)
-        results = await asyncio.gather(*(self.sched.compile(distinct[k]) for k in keys), return_exceptions=True)
+        results = await asyncio.gather(*(self.sched.compile(distinct[k], run.tenant) for k in keys), return_exceptions=True)
         by_key = dict(zip(keys, results))
         for n, c in gens:
             if c is None:
@@ -277,7 +281,7 @@ class ProgramDriver:
         # the losing choices and the speculative branches they named are evicted first (their pins
         # go before the demotion, or the lock would stop it)
         losers = [i for i in range(len(ids)) if i != winner]
-        lost_keys = {f"{run.id}/{n.id}#{i}" for i in losers}
+        lost_keys = {f"{run.key}/{n.id}#{i}" for i in losers}
         pins = run.pins.get(n.id, [])
         run.pins[n.id] = [p for p in pins if p[1] not in lost_keys]
         await self._hint(n.executor, unpins=[k for _, k in pins if k in lost_keys], demotes=[
@@ -348,7 +352,7 @@ class ProgramDriver:
         if run.ended or not run.graph.finished:
             return
         run.ended = True
-        self.runs.pop(run.id, None)
+        self.runs.pop(run.key, None)
         if run.ticket is not None:
             self.sched.tenants.release(run.ticket)
         for n in run.graph.nodes.values():
@@ -359,7 +363,7 @@ class ProgramDriver:
             run.state = "finished"
         c = self.counters["programs_total"]
         c[run.state] = c.get(run.state, 0) + 1
-        self.ended[run.id] = (run.tenant, run.info())
+        self.ended[run.key] = (run.tenant, run.info())
         while len(self.ended) > KEEP_ENDED:
             self.ended.popitem(last=False)
         await self._emit(run, ProgramEvent(program=run.id, seq=0, kind="done", finished=True, status=run.state))
@@ -384,12 +388,11 @@ class ProgramDriver:
     # ------------------------------------------------------------ queries
 
     def _own(self, q: ProgramQuery) -> ProgramRun | None:
-        run = self.runs.get(q.id)
-        return run if run is not None and run.tenant == q.tenant else None
+        return self.runs.get(ids.scoped(q.tenant, q.id))
 
     def _ended_info(self, q: ProgramQuery) -> ProgramInfo:
-        tenant, info = self.ended.get(q.id, (None, None))
-        if info is None or tenant != q.tenant:
+        _, info = self.ended.get(ids.scoped(q.tenant, q.id), (None, None))
+        if info is None:
             raise NotFound(f"no program {q.id!r}", param="id")
         return info
 
@@ -398,7 +401,7 @@ class ProgramDriver:
         return run.info() if run is not None else self._ended_info(q)
 
     def _owns(self, q: ProgramQuery) -> bool:
-        return self._own(q) is not None or self.ended.get(q.id, (None,))[0] == q.tenant
+        return self._own(q) is not None or ids.scoped(q.tenant, q.id) in self.ended
 
     async def get_if_owner(self, q: ProgramQuery) -> ProgramInfo | None:
         """The broadcast subject: only the owner answers (the first reply wins)."""

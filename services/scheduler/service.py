@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from radixflow.shared import subjects
+from radixflow.shared import ids as ids_, subjects
 from radixflow.shared.actor import Actor
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import SchedulerConfig, ServiceConfig
@@ -35,7 +35,7 @@ from .output import OutputPath
 from .programs import ProgramDriver
 from .recovery import Recovery
 from .siblings import Siblings, child_rid
-from .structured import OutputCheck, check_constraint
+from .structured import Checks, OutputCheck, check_constraint
 from .routing import Candidate, Router
 from .streamlog import StreamLog
 from .table import RequestTable, Tracked, incremental, namespace_of
@@ -62,6 +62,8 @@ class SchedulerService(OutputPath, Actor):
         self.executors: dict[str, ExecutorState] = {}
         self.siblings: dict[str, Siblings] = {}     # rid of a request with n > 1 -> its children
         self.resampled_total = 0                    # structured outputs sampled again after a failed check
+        self.checks = Checks()                      # the final output checks, off the event loop
+        self._checking: set[asyncio.Task] = set()   # requests whose end waits for their check (output.py)
         self.tenants = TenantLedger()
         self.router = Router(config.routing, config.route_load_tokens)
         # latency as clients see it, up to this service: from acceptance to the first output, between
@@ -106,6 +108,9 @@ class SchedulerService(OutputPath, Actor):
     async def on_drain(self) -> None:
         while len(self.table) or self.programs.runs:
             await asyncio.sleep(0.02)
+
+    async def on_stop(self) -> None:
+        self.checks.close()
 
     def status(self) -> dict:
         return {"inflight": len(self.table), "programs": len(self.programs.runs),
@@ -174,14 +179,19 @@ class SchedulerService(OutputPath, Actor):
         return await self.bus.request(subjects.TOKENIZER_ENCODE, EncodeRequest(text=text, messages=messages, texts=texts),
                                       EncodeReply, timeout=30, idempotent=True, attempt_s=5)
 
-    async def compile(self, c: Constraint | None) -> tuple[str | None, OutputCheck | None]:
-        """The compiled grammar's key and the final-output check of a constraint (None: unconstrained)."""
+    async def compile(self, c: Constraint | None, tenant: str = "") -> tuple[str | None, OutputCheck | None]:
+        """The compiled grammar's key and the final-output check of a constraint (None: unconstrained).
+        A tenant whose schema's check recently ran out of time is refused it at once (its own: the
+        memory is per tenant, so that it says nothing about another's schemas)."""
         if c is None:
             return None, None
         check_constraint(c)
         compiled = await self.bus.request(subjects.GRAMMAR_COMPILE, GrammarCompile(kind=c.kind, spec=c.spec),
                                           GrammarCompiled, timeout=60, idempotent=True, attempt_s=5)
-        return compiled.key, OutputCheck(c, compiled.backend, compiled.enforcement, compiled.compile_s)
+        owned = f"{tenant}/{compiled.key}"
+        self.checks.refuse_slow(owned)
+        return compiled.key, OutputCheck(c, compiled.backend, compiled.enforcement, compiled.compile_s, key=owned,
+                                         budget_s=self.cfg.check_budget_s)
 
     def check_room(self, n: int = 1) -> None:
         if len(self.table) + n > self.cfg.max_queued_requests:
@@ -190,8 +200,9 @@ class SchedulerService(OutputPath, Actor):
     async def submit(self, req: GenerateRequest) -> Accepted:
         check_request(req)
         self.check_room(req.n + (req.n > 1))
+        client_rid, req.rid = req.rid, ids_.scoped(req.tenant, req.rid)    # from here on: the tenant's
         if req.rid in self.table:
-            raise BadRequest(f"request id {req.rid!r} is already in flight", param="rid")
+            raise BadRequest(f"request id {client_rid!r} is already in flight", param="rid")
         live = self.live_executors()   # fail fast before tokenizing when nothing can run it
         if req.input_ids is not None:
             ids = req.input_ids
@@ -201,7 +212,7 @@ class SchedulerService(OutputPath, Actor):
                 raise BadRequest("the prompt tokenizes to nothing", param="text")
         ticket = self.tenants.admit(req.tenant, req.limits, len(ids) + req.sampling.max_new_tokens * req.n)
         try:
-            grammar_key, check = await self.compile(req.constraint)
+            grammar_key, check = await self.compile(req.constraint, req.tenant)
             namespace = namespace_of(req.cache_scope or req.tenant, req.cache_salt)
             ex = await self.place(live, namespace, ids)
             # counted at once: a burst's placements run concurrently, and each must see the others
@@ -229,7 +240,7 @@ class SchedulerService(OutputPath, Actor):
                 await self._fan_out(ex, req, exec_req, check, deadline, ticket)
         finally:
             self.tenants.release(ticket)   # the submission's hold; its tracked entries hold it from here on
-        return Accepted(rid=req.rid, prompt_tokens=len(ids), executor=ex.instance, scheduler=self.instance,
+        return Accepted(rid=client_rid, prompt_tokens=len(ids), executor=ex.instance, scheduler=self.instance,
                         grammar_backend=check.backend if check else "", enforcement=check.enforcement if check else "",
                         grammar_compile_s=check.compile_s if check else 0.0)
 
@@ -238,7 +249,7 @@ class SchedulerService(OutputPath, Actor):
         """n > 1: a prefill-only parent, then n children that the executor admits after its release
         (siblings.py). A refused parent refuses the request; a refused child fails the stream."""
         if req.rid in self.siblings or any(r in self.table for r in (child_rid(req.rid, i) for i in range(req.n))):
-            raise BadRequest(f"request id {req.rid!r} is already in flight", param="rid")
+            raise BadRequest(f"request id {ids_.unscoped(req.rid)!r} is already in flight", param="rid")
         self._check_fits(ex, exec_req)     # the children's budget, before the parent's prefill runs for nothing
         group = Siblings(self, req.rid, req.stream_subject, req.n, req.json_stream,
                          needs_parent=exec_req.logprob_start >= 0)
@@ -282,7 +293,7 @@ class SchedulerService(OutputPath, Actor):
             self.table.add(t)    # before dispatch: an output may arrive before the executor's reply does
         except KeyError:         # the same id submitted twice at once (the check before tokenizing raced)
             ex.inflight -= reserved
-            raise BadRequest(f"request id {req.rid!r} is already in flight", param="rid") from None
+            raise BadRequest(f"request id {ids_.unscoped(req.rid)!r} is already in flight", param="rid") from None
         ex.inflight += not reserved
         try:
             await self.bus.request(subjects.executor_submit(ex.instance),
@@ -306,8 +317,11 @@ class SchedulerService(OutputPath, Actor):
             raise BadRequest(f"input_ids must be < vocab size {ex.info.vocab_size}", param="input_ids")
 
     async def abort(self, req: AbortRequest) -> None:
+        """A caller's abort: its ids, scoped by its tenant (another tenant's requests of the same ids
+        are not touched)."""
         by_exec: dict[str, list[str]] = {}
-        rids = [r for rid in req.rids for r in ([rid] + (self.siblings[rid].children if rid in self.siblings else []))]
+        scoped = [ids_.scoped(req.tenant, rid) for rid in req.rids]
+        rids = [r for rid in scoped for r in ([rid] + (self.siblings[rid].children if rid in self.siblings else []))]
         for rid in rids:
             t = self.table.get(rid)
             if t is not None:

@@ -92,6 +92,8 @@ class Accepted(Msg):
 
 class AbortRequest(Msg):
     rids: list[str]
+    tenant: str = "default"           # to the scheduler: the caller's ids, scoped by it (shared/ids.py);
+                                      # to an executor: unused, the ids are scoped already
     discard: bool = False             # programs: a cancelled branch; its pages become the first to evict
 
 
