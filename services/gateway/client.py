@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from radixflow.shared import ids, subjects
+from radixflow.shared import ids as ids_, subjects
 from radixflow.shared.bus import Bus, InboxStream
 from radixflow.shared.errors import NotFound, RadixflowError, RequestLost, RequestTimeout, ServiceUnavailable, StreamGap, from_reply
 from radixflow.shared.messages import (AbortRequest, Accepted, DetokenizeReply, DetokenizeRequest, DetokItem, LiveQuery,
@@ -144,7 +144,7 @@ class EngineClient:
                 last = self._schedulers.get(sched)
                 if last is not None and now - last > self.scheduler_timeout_s:
                     stream.fail(ServiceUnavailable(f"scheduler {sched} stopped responding; request "
-                                                   f"{ids.unscoped(rid)} was lost"))
+                                                   f"{ids_.unscoped(rid)} was lost"))
                 elif now - stream.heard_at > self.stall_check_s and now - stream.probed_at > self.stall_check_s:
                     stream.probed_at = now
                     silent.setdefault(sched, []).append((rid, stream))
@@ -164,7 +164,7 @@ class EngineClient:
         for rid, stream in streams:
             if rid not in known and time.monotonic() - stream.heard_at > self.stall_check_s \
                     and not await stream.recover():
-                stream.fail(StreamGap(f"the end of request {ids.unscoped(rid)} was lost in transit"))
+                stream.fail(StreamGap(f"the end of request {ids_.unscoped(rid)} was lost in transit"))
 
     async def _resend(self, sched: str, subject: str, seq: int) -> list | None:
         """The items of one of our streams from `seq` on, sent again by its scheduler."""
@@ -177,7 +177,7 @@ class EngineClient:
     def generate(self, req: GenerateRequest) -> AsyncIterator[Accepted | StreamChunk]:
         """Yield Accepted, then every StreamChunk; a StreamError raises its typed error.
         Leaving early (client gone) aborts the request."""
-        return self._submit(subjects.SCHEDULER_SUBMIT, req, Accepted, ids.scoped(req.tenant, req.rid), 60,
+        return self._submit(subjects.SCHEDULER_SUBMIT, req, Accepted, ids_.scoped(req.tenant, req.rid), 60,
                             lambda: self._abort(req.rid, req.tenant))
 
     def program(self, req: ProgramRequest) -> AsyncIterator[ProgramAccepted | ProgramEvent]:
@@ -188,7 +188,7 @@ class EngineClient:
                 await self.program_op("cancel", ProgramQuery(id=req.id, tenant=req.tenant))
             except RadixflowError:
                 pass
-        return self._submit(subjects.SCHEDULER_PROGRAM, req, ProgramAccepted, ids.scoped(req.tenant, req.id), 120,
+        return self._submit(subjects.SCHEDULER_PROGRAM, req, ProgramAccepted, ids_.scoped(req.tenant, req.id), 120,
                             cancel)
 
     async def _submit(self, subject: str, req, accepted: type, key: str, timeout: float,
@@ -228,7 +228,7 @@ class EngineClient:
     async def program_op(self, op: str, q: ProgramQuery) -> ProgramInfo:
         """GET or cancel a program at its scheduler (known when this gateway submitted it), else ask
         every scheduler: only the owner answers, so silence is a 404."""
-        owner = self._owners.get(ids.scoped(q.tenant, q.id))
+        owner = self._owners.get(ids_.scoped(q.tenant, q.id))
         if owner is not None:
             try:
                 return await self.bus.request(subjects.program_op(owner, op), q, ProgramInfo, timeout=10,

@@ -23,7 +23,7 @@ from radixflow.shared import log, subjects
 from radixflow.shared.errors import BadRequest, RadixflowError
 from radixflow.shared.messages import (AbortRequest, Accepted, DetokenizeReply, DetokenizeRequest, DetokItem, EncodeReply,
                                        EncodeRequest, GenerateRequest, SamplingParams, TopLogprobs)
-from radixflow.shared.validate import check_request
+from radixflow.shared.validate import MAX_RID, check_request
 
 from . import protocol as P
 from .app import CLIENT, CONFIG, KEYS, check_open, principal, request_for
@@ -185,6 +185,13 @@ def native_body(r: Result, c: Choice, opts: dict, texts: dict[int, str], latency
 # ---------------------------------------------------------------- tokens and information
 
 
+class AbortBody(P._Body, kw_only=True):
+    rid: str | list[str]
+
+
+MAX_ABORT = 1024
+
+
 class TokenizeBody(P._Body, kw_only=True):
     text: str | list[str] | None = None
     prompt: str | None = None                       # vLLM's name
@@ -301,15 +308,10 @@ async def abort_request(request: web.Request) -> web.Response:
     it was running, so that the answer says nothing about ids in use."""
     check_open(request)
     who = principal(request)
-    try:
-        body = await request.json()
-    except ValueError:
-        raise BadRequest("the body is not JSON") from None
-    rid = body.get("rid") if isinstance(body, dict) else None
-    rids = [rid] if isinstance(rid, str) else rid
-    if not rids or not isinstance(rids, list) or not all(isinstance(r, str) and 0 < len(r) <= 256 for r in rids) \
-            or len(rids) > 1024:
-        raise BadRequest("rid must be a request id or a list of at most 1024 of them", param="rid")
+    body: AbortBody = P.decode_body(await request.read(), AbortBody)
+    rids = [body.rid] if isinstance(body.rid, str) else body.rid
+    if not rids or len(rids) > MAX_ABORT or not all(0 < len(r) <= MAX_RID for r in rids):
+        raise BadRequest(f"rid must be a request id or a list of at most {MAX_ABORT} of them", param="rid")
     await request.app[CLIENT].bus.publish(subjects.SCHEDULER_ABORT, AbortRequest(rids=rids, tenant=who.tenant))
     return web.json_response({})
 

@@ -16,7 +16,7 @@ ROUTES: list[tuple[str, str, str, str, type | None]] = []
 
 
 def _bodies() -> None:
-    from .native import DetokenizeBody, TokenizeBody
+    from .native import AbortBody, DetokenizeBody, TokenizeBody
     from .ops import FlushBody
     from .programs import ProgramBody
     ROUTES[:] = [
@@ -30,6 +30,7 @@ def _bodies() -> None:
         ("get", "/get_server_info", "sglang", "Version, executors, auth", None),
         ("get", "/server_info", "sglang", "The same (the name sglang.get_server_info() uses)", None),
         ("get", "/health_generate", "sglang", "200 after a one-token generation went through", None),
+        ("post", "/abort_request", "sglang", "Abort the caller's own requests of these ids", AbortBody),
         ("post", "/v1/programs", "programs", "Run a program (a DAG of gen/select nodes)", ProgramBody),
         ("get", "/v1/programs/{id}", "programs", "A program's state and node results", None),
         ("delete", "/v1/programs/{id}", "programs", "Cancel a program", None),

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from radixflow.shared import ids, log, subjects
+from radixflow.shared import ids as ids_, log, subjects
 from radixflow.shared.errors import RadixflowError
 from radixflow.shared.messages import (AbortRequest, DetokItem, ExecAccepted, Resend, Resent, SeqOutput, StepOutput,
                                        StreamChunk, StreamError, Usage)
@@ -134,7 +134,7 @@ class OutputPath(_Base):
         terminal = isinstance(item, StreamError) or item.finished
         if terminal:
             self.ended.add(rid)
-        item.rid = ids.unscoped(item.rid)         # the caller's own id (ours is scoped by its tenant)
+        item.rid = ids_.unscoped(item.rid)         # the caller's own id (ours is scoped by its tenant)
         self.streams.record(subject, item, terminal)
         try:
             await self.bus.publish(subject, item, as_json)

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from radixflow.shared import ids, subjects
+from radixflow.shared import ids as ids_, subjects
 from radixflow.shared.errors import BadRequest, NotFound, RadixflowError
 from radixflow.shared.messages import (AbortRequest, CacheHints, Demote, ExecRequest, ProgramAccepted, ProgramEvent,
                                        ProgramInfo, ProgramQuery, ProgramRequest, Sample, StreamChunk, StreamError)
@@ -40,7 +40,7 @@ class ProgramRun:
 
     def __init__(self, req: ProgramRequest, graph: ProgramGraph, namespace: str, timeout_s: float):
         self.id, self.subject, self.stream, self.tenant = req.id, req.stream_subject, req.stream, req.tenant
-        self.key = ids.scoped(req.tenant, req.id)    # the caller's id is its own; ours is scoped by tenant
+        self.key = ids_.scoped(req.tenant, req.id)    # the caller's id is its own; ours is scoped by tenant
         self.json = req.json_stream
         self.graph = graph
         self.namespace = namespace
@@ -89,7 +89,7 @@ class ProgramDriver:
     async def submit(self, req: ProgramRequest) -> ProgramAccepted:
         if req.tenant == "" or "/" in req.tenant:
             raise BadRequest("tenant must be a non-empty name without '/'", param="tenant")
-        key = ids.scoped(req.tenant, req.id)
+        key = ids_.scoped(req.tenant, req.id)
         if key in self.runs or key in self.ended:
             raise BadRequest(f"program id {req.id!r} is already in use", param="id")
         self.sched.check_room()
@@ -388,10 +388,10 @@ class ProgramDriver:
     # ------------------------------------------------------------ queries
 
     def _own(self, q: ProgramQuery) -> ProgramRun | None:
-        return self.runs.get(ids.scoped(q.tenant, q.id))
+        return self.runs.get(ids_.scoped(q.tenant, q.id))
 
     def _ended_info(self, q: ProgramQuery) -> ProgramInfo:
-        _, info = self.ended.get(ids.scoped(q.tenant, q.id), (None, None))
+        _, info = self.ended.get(ids_.scoped(q.tenant, q.id), (None, None))
         if info is None:
             raise NotFound(f"no program {q.id!r}", param="id")
         return info
@@ -401,7 +401,7 @@ class ProgramDriver:
         return run.info() if run is not None else self._ended_info(q)
 
     def _owns(self, q: ProgramQuery) -> bool:
-        return self._own(q) is not None or ids.scoped(q.tenant, q.id) in self.ended
+        return self._own(q) is not None or ids_.scoped(q.tenant, q.id) in self.ended
 
     async def get_if_owner(self, q: ProgramQuery) -> ProgramInfo | None:
         """The broadcast subject: only the owner answers (the first reply wins)."""

@@ -119,6 +119,7 @@ class SchedulerService(OutputPath, Actor):
     def metrics(self) -> list[Sample]:
         return [Sample(name="requests_inflight", value=len(self.table)),
                 Sample(name="structured_resamples_total", value=self.resampled_total),
+                Sample(name="structured_check_timeouts_total", value=self.checks.timeouts),
                 Sample(name="requests_retried_total", value=self.recovery.retried_total),
                 Sample(name="output_tokens_replayed_total", value=self.recovery.replayed_total)] + self.programs.metrics() \
             + self.tenants.samples() + self.ttft.samples() + self.itl.samples() + self.e2e.samples()

@@ -99,6 +99,7 @@ class Checks:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="output-check")
         self.slow = Recent(refuse_s)
         self.timeouts = 0
+        self.running = 0          # checks started and not yet ended
 
     def refuse_slow(self, key: str) -> None:
         if key and key in self.slow:
@@ -106,6 +107,7 @@ class Checks:
                              "backtracks without bound); simplify its patterns", param="response_format")
 
     async def error(self, check: OutputCheck, text: str, finish_reason: str | None) -> str | None:
+        self.running += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, check.error, text, finish_reason)
         except BadRequest:
@@ -113,6 +115,8 @@ class Checks:
             if check.key:
                 self.slow.add(check.key)
             raise
+        finally:
+            self.running -= 1
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,164 @@
+"""One tenant cannot hurt or learn about another, tried as an attacker would against a live server
+with keys for alpha, beta and gamma: hostile schema patterns (ReDoS) through /generate and
+/v1/chat/completions while beta is served; ids that collide across tenants."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from .stacks import start, stop
+
+KEYS = {"keys": {"ka": {"tenant": "alpha"}, "kb": {"tenant": "beta"}, "kc": {"tenant": "gamma"},
+                 "kadmin": {"tenant": "ops", "role": "admin"}}}
+# the lookahead holds the backtracking; the rest (a{N}) is what the grammar enforces, so that the
+# model writes exactly the string that sets it off. The first is the issue's own: the `regex` engine
+# cuts it short (the output fails the pattern: resampled, then a clear 500); the others run to the
+# check's budget (a clear 400)
+SHAPES = [(r"^(?=(a+)+b)a{30}$", False), (r"^(?=(a|aa)+b)a{40}$", True), (r"^(?=(a|a)+b)a{30}$", True),
+          (r"^(?=(a|ab|aa)+c)a{40}$", True)]
+VICTIM_BOUND_S = 60.0      # generous: beta's two tokens take well under a second on an idle stack
+
+
+def schema(pattern: str) -> dict:
+    return {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}, "required": ["s"],
+            "additionalProperties": False}
+
+
+def auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="module")
+async def server(models, tmp_path_factory):
+    path = tmp_path_factory.mktemp("sec") / "keys.json"
+    path.write_text(json.dumps(KEYS))
+    st = await start(models["tiny-dense"], gw_auth_file=str(path))
+    yield st
+    await stop(st)
+
+
+async def post(st, path: str, key: str, body: dict) -> tuple[int, dict]:
+    async with st.http.post(st.base + path, json=body, headers=auth(key)) as r:
+        return r.status, await r.json()
+
+
+async def victim(st) -> float:
+    """beta's two-token request, timed; asserts it is served."""
+    t0 = time.monotonic()
+    status, body = await post(st, "/v1/completions", "kb", {"model": "m", "prompt": "Hello there", "max_tokens": 2,
+                                                             "temperature": 0})
+    assert status == 200, body
+    return time.monotonic() - t0
+
+
+async def attack(st, hostile, slow: bool) -> tuple[int, dict]:
+    """Run the hostile request; while its check runs (or, for a pattern the engine cuts short,
+    while it is in flight) beta is served within the bound and /health stays 200."""
+    sched = st.actors["scheduler"]
+    task = asyncio.ensure_future(hostile)
+    deadline = time.monotonic() + 120
+    while not task.done() and time.monotonic() < deadline and (sched.checks.running == 0 if slow else False):
+        await asyncio.sleep(0.005)
+    assert not slow or sched.checks.running > 0 or task.done()
+    took = await victim(st)
+    assert took < VICTIM_BOUND_S
+    async with st.http.get(st.base + "/health") as r:
+        assert r.status == 200
+    return await task
+
+
+def clear_error(status: int, body: dict, slow: bool) -> None:
+    err = body["error"]
+    if slow:
+        assert status == 400 and err["type"] == "invalid_request_error" and "budget" in err["message"], body
+    else:   # the engine answered fast: the output fails the pattern, is resampled, then fails clearly
+        assert status in (400, 500) and "pattern" in err["message"] or "does not match" in err["message"], body
+
+
+@pytest.mark.parametrize("pattern,slow", SHAPES)
+async def test_hostile_patterns_through_generate(server, pattern, slow):
+    before = server.actors["scheduler"].checks.timeouts
+    body = {"text": "Say it:", "sampling_params": {"max_new_tokens": 120, "temperature": 0,
+                                                   "json_schema": json.dumps(schema(pattern))}}
+    status, reply = await attack(server, post(server, "/generate", "ka", body), slow)
+    clear_error(status, reply, slow)
+    assert server.actors["scheduler"].checks.timeouts == before + slow
+    if slow:   # the same schema again is refused at once: it does not take a check thread again
+        status, again = await post(server, "/generate", "ka", body)
+        assert status == 400 and "recently" in again["error"]["message"]
+        assert server.actors["scheduler"].checks.timeouts == before + 1
+
+
+@pytest.mark.parametrize("pattern,slow", SHAPES)
+async def test_hostile_patterns_through_chat(server, pattern, slow):
+    # gamma: alpha's schemas are refused to alpha now; what was slow for alpha says nothing to gamma
+    body = {"model": "m", "messages": [{"role": "user", "content": "Say it"}], "max_tokens": 120, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema(pattern)}}}
+    status, reply = await attack(server, post(server, "/v1/chat/completions", "kc", body), slow)
+    clear_error(status, reply, slow)
+
+
+async def test_a_refused_schema_is_refused_to_that_tenant_only(server):
+    body = {"text": "Say it:", "sampling_params": {"max_new_tokens": 120, "temperature": 0,
+                                                   "json_schema": json.dumps(schema(SHAPES[1][0]))}}
+    status, _ = await post(server, "/generate", "ka", body)
+    assert status == 400
+    ok = {"text": "Say it:", "sampling_params": {"max_new_tokens": 60, "temperature": 0,
+                                                 "json_schema": json.dumps(schema("^a{3}$"))}}
+    status, reply = await post(server, "/generate", "ka", ok)
+    assert status == 200 and json.loads(reply["text"]) == {"s": "aaa"}
+
+
+# ---------------------------------------------------------------- ids
+
+
+async def test_colliding_rids_are_each_tenants_own(server):
+    """beta reusing alpha's in-flight rid is served; beta's abort of it does not touch alpha's."""
+    long = {"text": "Count:", "rid": "shared-rid", "stream": True,
+            "sampling_params": {"max_new_tokens": 200, "ignore_eos": True, "temperature": 0}}
+    async with server.http.post(server.base + "/generate", json=long, headers=auth("ka")) as a:
+        assert a.status == 200
+        await a.content.readline()                          # alpha's is running
+        status, b = await post(server, "/generate", "kb", {"text": "Hi", "rid": "shared-rid",
+                                                            "sampling_params": {"max_new_tokens": 2}})
+        assert status == 200 and b["meta_info"]["id"] == "shared-rid"
+        status, _ = await post(server, "/abort_request", "kb", {"rid": "shared-rid"})
+        assert status == 200
+        events = [json.loads(line[5:]) async for line in a.content if line.startswith(b"data: {")]
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"     # beta's abort did nothing
+    assert events[-1]["meta_info"]["completion_tokens"] == 200
+
+
+async def test_alpha_can_abort_its_own(server):
+    long = {"text": "Count:", "rid": "mine", "stream": True,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0}}
+    async with server.http.post(server.base + "/generate", json=long, headers=auth("ka")) as a:
+        await a.content.readline()
+        status, _ = await post(server, "/abort_request", "ka", {"rid": "mine"})
+        assert status == 200
+        events = [json.loads(line[5:]) async for line in a.content if line.startswith(b"data: {")]
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+async def test_colliding_program_ids_are_each_tenants_own(server):
+    long = {"id": "prog-1", "stream": True,
+            "nodes": [{"id": "n", "text": "Count:", "gen": {"max_tokens": 3000, "ignore_eos": True}}]}
+    async with server.http.post(server.base + "/v1/programs", json=long, headers=auth("ka")) as a:
+        assert a.status == 200
+        await a.content.readline()
+        async with server.http.get(server.base + "/v1/programs/prog-1", headers=auth("kb")) as r:
+            assert r.status == 404                          # beta sees nothing of alpha's program
+        async with server.http.delete(server.base + "/v1/programs/prog-1", headers=auth("kb")) as r:
+            assert r.status == 404                          # ... and cannot cancel it
+        status, mine = await post(server, "/v1/programs", "kb", {"id": "prog-1", "nodes": [
+            {"id": "n", "text": "Hi", "gen": {"max_tokens": 2}}]})
+        assert status == 200 and mine["state"] == "finished" and mine["id"] == "prog-1"
+        async with server.http.get(server.base + "/v1/programs/prog-1", headers=auth("ka")) as r:
+            assert r.status == 200 and (await r.json())["state"] == "running"   # untouched by beta's
+        async with server.http.delete(server.base + "/v1/programs/prog-1", headers=auth("ka")) as r:
+            assert r.status == 200                          # its owner can cancel it
+        lines = [line async for line in a.content if line.startswith(b"data: {")]
+    assert json.loads(lines[-1][5:])["state"] == "cancelled"
