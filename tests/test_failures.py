@@ -233,6 +233,7 @@ async def test_a_lost_output_is_fetched_again_from_the_executor(nats, models):
     """NATS delivers at most once: a StepOutput lost on the way (dropped here at the scheduler's
     intake, as a reconnect would) shows as an offset gap, and the scheduler fetches the missing
     tokens from the executor (rf.executor.<id>.replay) instead of failing the request."""
+    from radixflow.shared.ids import scoped
     from radixflow.shared.messages import Replay, Replayed
     st = await start(nats, models)
     bus = Bus("probe", BusConfig(nats_url=nats.url))
@@ -243,7 +244,9 @@ async def test_a_lost_output_is_fetched_again_from_the_executor(nats, models):
         assert code == 200
         ex, sched = st.actors["executor"], st.actors["scheduler"]
         # the executor answers a replay from any offset, after the request ended too
-        r = await bus.request(subjects.replay(ex.instance), Replay(rid=want["meta_info"]["id"], offset=5), Replayed)
+        # (inside the engine a request's id is scoped by its tenant: shared/ids.py)
+        r = await bus.request(subjects.replay(ex.instance), Replay(rid=scoped("default", want["meta_info"]["id"]),
+                                                                   offset=5), Replayed)
         assert r.found and r.token_ids == want["output_ids"][5:]
         route = next(r for r in sched._routes if r.subject == sched.output_subject)
         intake, dropped = route.fn, []
