@@ -248,6 +248,9 @@ class Actor:
             try:
                 await self.bus.publish(subjects.heartbeat(self.service), Heartbeat(
                     service=self.service, instance=self.instance, ts=time.time(), detail=self.heartbeat_detail()))
+                if self.config.alive_file:     # a container's health check (`radixflow alive`)
+                    with open(self.config.alive_file, "a"):
+                        os.utime(self.config.alive_file)
             except Exception as e:  # disconnected: nats-py reconnects; keep beating
                 self.log.debug("heartbeat not sent", error=str(e))
             await asyncio.sleep(self.config.heartbeat_s)

@@ -91,12 +91,17 @@ class GatewayConfig:
     health_timeout_s: float = 2.0
     stall_check_s: float = 5.0        # a stream silent this long: ask its scheduler whether it still runs it
     reuse_port: bool = False          # several gateway processes on one port (SO_REUSEPORT; `up --processes`)
+    insecure: bool = False            # serve without keys on a non-loopback address (refused otherwise)
+    metrics_token: str = ""           # GET /metrics with this bearer token sees every tenant's series (from the
+                                      # environment, RADIXFLOW_GATEWAY_METRICS_TOKEN, or the file below)
+    metrics_token_file: str = ""
 
 
 @dataclass(frozen=True)
 class ServiceConfig:
     SECTION = "SERVICE"
     concurrency: int = 64             # in-flight handlers per actor
+    alive_file: str = ""              # touched at every heartbeat sent: `radixflow alive FILE` is a health check
     # Every wakeup of the event loop steals a core from the model's threads (measured: 0.5 s beats
     # slowed a 3,000-token prefill by ~20% in one process), so beats are slow and timeouts 3.5 beats.
     heartbeat_s: float = 1.0

@@ -69,6 +69,34 @@ def test_compose_layout_matches_the_cluster(compose):
     assert re.search(r'ENTRYPOINT \["radixflow"\]', open(os.path.join(ROOT, "Dockerfile")).read())
 
 
+def test_compose_and_image_are_hardened(compose):
+    """Closed by default: only the gateway publishes a port, and it serves with keys; every service
+    has a health check and resource limits; the image runs unprivileged, without a compiler."""
+    svcs = compose["services"]
+    assert [n for n, s in svcs.items() if s.get("ports")] == ["gateway"]
+    assert svcs["gateway"]["environment"]["RADIXFLOW_GATEWAY_AUTH_FILE"].startswith("/run/secrets/")
+    assert svcs["gateway"]["secrets"] == ["radixflow_keys"]
+    for name, s in svcs.items():
+        assert s.get("deploy", {}).get("resources", {}).get("limits", {}).get("memory"), name
+        if name != "model-init":
+            assert "healthcheck" in s, name
+    docker = open(os.path.join(ROOT, "Dockerfile")).read()
+    runtime = docker.rsplit("\nFROM ", 1)[1]                   # the last stage: what runs
+    assert re.search(r"^USER (?!root)\S+", runtime, re.M) and "g++" not in runtime and "apt-get" not in runtime
+    ignored = open(os.path.join(ROOT, ".dockerignore")).read().split()
+    assert {".git", ".venv", "deploy/secrets"} <= set(ignored)
+
+
+def test_the_alive_health_check(tmp_path):
+    f = tmp_path / "alive"
+    cli = os.path.join(BIN, "radixflow")
+    assert subprocess.run([cli, "alive", str(f)], capture_output=True).returncode == 1     # no beat yet
+    f.touch()
+    assert subprocess.run([cli, "alive", str(f)], capture_output=True).returncode == 0
+    os.utime(f, (time.time() - 60, time.time() - 60))
+    assert subprocess.run([cli, "alive", str(f), "--max-age", "15"], capture_output=True).returncode == 1
+
+
 def test_compose_commands_serve_as_local_processes(compose, models, tmp_path):
     """Each compose service's own command and environment, as a local process: NATS and the
     model path mapped to local ones, the executor twice (--scale executor=2). A request goes through."""
@@ -78,9 +106,14 @@ def test_compose_commands_serve_as_local_processes(compose, models, tmp_path):
     nport, hport = free_port(), free_port()
     url = f"nats://127.0.0.1:{nport}"
 
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": {"compose-key": {"tenant": "t"}}}))
+    auth = {"Authorization": "Bearer compose-key"}
+
     def local(x: str) -> str:
         return (x.replace("nats://nats:4222", url).replace("/models/tiny-hybrid", models["tiny-hybrid"])
-                .replace("0.0.0.0", "127.0.0.1"))
+                .replace("0.0.0.0", "127.0.0.1").replace("/run/secrets/radixflow_keys", str(keys))
+                .replace("/tmp/radixflow.alive", str(tmp_path / "alive")))
     procs = [subprocess.Popen([find_binary(), "-a", "127.0.0.1", "-p", str(nport), "-c", str(conf)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)]
     logs = []
@@ -101,7 +134,7 @@ def test_compose_commands_serve_as_local_processes(compose, models, tmp_path):
         while time.monotonic() < deadline and not (healthy and len(executors) == 2):
             assert all(p.poll() is None for p in procs), [open(f).read()[-1500:] for f in logs]
             try:
-                with urllib.request.urlopen(base + "/v1/memory", timeout=5) as r:
+                with urllib.request.urlopen(urllib.request.Request(base + "/v1/memory", headers=auth), timeout=5) as r:
                     executors = [e for e in json.loads(r.read())["executors"] if e.get("occupancy")]
                 with urllib.request.urlopen(base + "/health", timeout=5) as r:   # 503 (an HTTPError) until ready
                     healthy = r.status == 200
@@ -110,7 +143,7 @@ def test_compose_commands_serve_as_local_processes(compose, models, tmp_path):
             time.sleep(1)
         assert healthy and len(executors) == 2, f"the compose layout never served with two executors: {executors}"
         body = json.dumps({"text": "hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).encode()
-        req = urllib.request.Request(base + "/generate", data=body, headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(base + "/generate", data=body, headers={"Content-Type": "application/json"} | auth)
         with urllib.request.urlopen(req, timeout=60) as r:
             out = json.loads(r.read())
         assert len(out["output_ids"]) == 4

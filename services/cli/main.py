@@ -67,6 +67,11 @@ def _serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=None, help="KEY or KEY:TENANT; repeatable; enables auth")
     p.add_argument("--auth-file", default=None,
                    help='keys file (JSON or TOML): {"keys": {"KEY": {"tenant", "role", "group", "cache_salt", "limits"}}}')
+    p.add_argument("--insecure", action="store_true", default=None,
+                   help="serve without API keys on a non-loopback --host (refused otherwise: every caller would be admin)")
+    p.add_argument("--metrics-token-file", default=None,
+                   help="a file holding the bearer token with which /metrics shows every tenant's series "
+                        "(or RADIXFLOW_GATEWAY_METRICS_TOKEN); without it, only an admin key does")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before an unfinished request fails")
     p.add_argument("--grammar-backend", choices=("auto", "xgrammar", "llguidance"), default=None,
                    help="structured output engine for requests that name none (default auto: xgrammar when it "
@@ -84,7 +89,8 @@ def _overrides(a: argparse.Namespace) -> dict:
                 ex_decode_reserve=a.decode_reserve,
                 ex_overlap=False if a.disable_overlap else None,
                 ex_checkpoint_interval=a.checkpoint_interval, gw_host=a.host, gw_port=a.port,
-                gw_api_keys=tuple(a.api_key) if a.api_key else None, gw_auth_file=a.auth_file, sc_request_timeout_s=a.request_timeout,
+                gw_api_keys=tuple(a.api_key) if a.api_key else None, gw_auth_file=a.auth_file,
+                gw_insecure=a.insecure, gw_metrics_token_file=a.metrics_token_file, sc_request_timeout_s=a.request_timeout,
                 gr_backend=a.grammar_backend)
 
 
@@ -139,6 +145,21 @@ def cmd_service(a: argparse.Namespace) -> int:
         return 2
     model = a.model or (default_model() if a.name in ("executor", "tokenizer") else "")
     asyncio.run(run_until_signal(Stack(stack_config(a.nats_url, model, **_overrides(a)), names=(a.name,))))
+    return 0
+
+
+def cmd_alive(a: argparse.Namespace) -> int:
+    """A container's health check: its service touched FILE at a heartbeat within --max-age seconds
+    (its event loop runs and it reaches NATS)."""
+    import time
+    try:
+        age = time.time() - os.path.getmtime(a.file)
+    except OSError:
+        print(f"{a.file}: no heartbeat yet", file=sys.stderr)
+        return 1
+    if age > a.max_age:
+        print(f"the last heartbeat was {age:.0f} s ago", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -289,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nats-url", default=os.environ.get("RADIXFLOW_BUS_NATS_URL", "nats://127.0.0.1:4222"))
     _serving_args(p)
     p.set_defaults(fn=cmd_service)
+    p = sub.add_parser("alive", help="health check: a service sent a heartbeat lately (RADIXFLOW_SERVICE_ALIVE_FILE)")
+    p.add_argument("file")
+    p.add_argument("--max-age", type=float, default=15.0)
+    p.set_defaults(fn=cmd_alive)
+
     p = sub.add_parser("make-model", help="write a tiny Hugging Face checkpoint with seeded random weights")
     p.add_argument("preset", help="tiny-dense | tiny-hybrid")
     p.add_argument("dir")

@@ -32,6 +32,8 @@ _log = log.get("gateway")
 CLIENT: web.AppKey[EngineClient] = web.AppKey("client", EngineClient)
 BUS: web.AppKey[Bus] = web.AppKey("bus", Bus)
 CONFIG: web.AppKey[Any] = web.AppKey("config", object)
+SCRAPE_TOKEN: web.AppKey[str] = web.AppKey("scrape_token", str)
+MAX_BODY = 8 * 1024 * 1024      # the bus's max_payload (natsd.py): what one submission can carry
 KEYS: web.AppKey[Keys] = web.AppKey("keys", Keys)
 DRAINING: web.AppKey[asyncio.Event] = web.AppKey("draining", asyncio.Event)
 COUNTERS: web.AppKey[Any] = web.AppKey("counters", object)
@@ -118,10 +120,22 @@ def tenant_samples(app: web.Application) -> list[Sample]:
             for (t, s), v in sorted(app[COUNTERS].items())]
 
 
+def secret(value: str, path: str) -> str:
+    """A secret given in the environment (value) or in a file (its first line)."""
+    if path:
+        with open(path) as f:
+            value = f.readline().strip()
+        if not value:
+            raise ValueError(f"{path} is empty")
+    return value
+
+
 def make_app(bus: Bus, client: EngineClient, config: Any) -> web.Application:
-    app = web.Application(middlewares=[errors], client_max_size=64 * 1024 * 1024)
+    # a body larger than one bus message could not be submitted anyway: refused before it is read
+    app = web.Application(middlewares=[errors], client_max_size=MAX_BODY)
     app[BUS], app[CLIENT], app[CONFIG], app[DRAINING] = bus, client, config, asyncio.Event()
     app[KEYS] = Keys.load(getattr(config, "auth_file", ""), tuple(config.api_keys))
+    app[SCRAPE_TOKEN] = secret(getattr(config, "metrics_token", ""), getattr(config, "metrics_token_file", ""))
     app[COUNTERS] = defaultdict(int)
     from . import native, openai, ops, programs     # the dialects build on this module's helpers
     openai.add_routes(app)

@@ -2,18 +2,23 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 
+import msgspec
 from aiohttp import web
 
 from radixflow.shared import subjects
 from radixflow.shared.errors import RadixflowError
-from radixflow.shared.messages import MemoryReply, MetricsReply, RadixFlush, RadixFlushed, StatusReply, StatusRequest
+from radixflow.shared.messages import (MemoryReply, MetricsReply, RadixFlush, RadixFlushed, Sample, StatusReply,
+                                       StatusRequest)
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from . import protocol as P
 from .metrics import Gathered
-from .app import BUS, CLIENT, CONFIG, DRAINING, KEYS, principal
+from .app import BUS, CLIENT, CONFIG, DRAINING, KEYS, SCRAPE_TOKEN, principal
+from .auth import Principal
 
 
 async def health(request: web.Request) -> web.Response:
@@ -68,14 +73,36 @@ async def metrics(request: web.Request) -> web.Response:
     # missing from one scrape reads as a counter reset. So the scrape also waits (up to 2 s) for
     # the instances it knows of: the live executors and schedulers (their heartbeats), itself, and
     # one each of tokenizer, grammar and radix
+    everyone = scrape_token_ok(request)
+    who = None if everyone else principal(request)     # no key, no token: 401
+    everyone = everyone or who.role == "admin"
     client = request.app[CLIENT]
     known = len(client.executors()) + len(client.schedulers()) + 4
     replies = await request.app[BUS].gather(subjects.METRICS, StatusRequest(), MetricsReply, window_s=2.0,
                                             expect=known, min_s=0.2)
+    if not everyone:
+        replies = [only_own(r, who) for r in replies]
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Gathered(replies))
     return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST,
                                                                  "X-Content-Type-Options": "nosniff"})
+
+
+def scrape_token_ok(request: web.Request) -> bool:
+    """Whether the caller shows the scrape token (a monitoring system's: every tenant's series)."""
+    token = request.app[SCRAPE_TOKEN]
+    given = request.headers.get("Authorization", "")
+    given = given[7:].strip() if given[:7].lower() == "bearer " else ""
+    return bool(token) and hmac.compare_digest(hashlib.sha256(given.encode()).digest(),
+                                               hashlib.sha256(token.encode()).digest())
+
+
+def only_own(reply: MetricsReply, who: Principal) -> MetricsReply:
+    """A tenant's view: series labelled with another tenant (or another cache scope, whose page
+    counts would tell what others have cached) are left out; unlabelled ones are kept."""
+    def own(s: Sample) -> bool:
+        return s.labels.get("tenant", who.tenant) == who.tenant and s.labels.get("scope", who.scope) == who.scope
+    return msgspec.structs.replace(reply, samples=[s for s in reply.samples if own(s)])
 
 
 async def memory(request: web.Request) -> web.Response:

@@ -13,8 +13,24 @@ from radixflow.shared.config import GatewayConfig, ServiceConfig
 from radixflow.shared.errors import ServiceUnavailable
 from radixflow.shared.messages import Heartbeat, Sample
 
-from .app import DRAINING, make_app, tenant_samples
+from .app import DRAINING, KEYS, make_app, tenant_samples
 from .client import EngineClient
+
+
+def loopback(host: str) -> bool:
+    """Whether binding `host` serves only this machine (a name resolves as the resolver says)."""
+    import ipaddress
+    import socket
+    if host in ("localhost",):
+        return True
+    try:
+        addrs = {ipaddress.ip_address(host)}
+    except ValueError:
+        try:
+            addrs = {ipaddress.ip_address(a[4][0]) for a in socket.getaddrinfo(host, None)}
+        except OSError:
+            return False
+    return bool(addrs) and all(a.is_loopback for a in addrs)
 
 
 class GatewayService(Actor):
@@ -26,6 +42,10 @@ class GatewayService(Actor):
         self.cfg = config
         self.client = EngineClient(bus, config.scheduler_timeout_s, request_timeout_s, config.stall_check_s)
         self.app = make_app(bus, self.client, config)
+        if not self.app[KEYS] and not config.insecure and not loopback(config.host):
+            raise ValueError(f"refusing to serve without API keys on {config.host!r}, which is not a loopback "
+                             "address: every caller would be the admin. Give --api-key / --auth-file (or "
+                             "RADIXFLOW_GATEWAY_API_KEYS), bind 127.0.0.1, or pass --insecure")
         self._runner: web.AppRunner | None = None
         self._inflight = 0
         self.port = config.port
