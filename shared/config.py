@@ -65,6 +65,10 @@ class SchedulerConfig:
     instance: str = ""
     executor_timeout_s: float = 3.5   # no heartbeat for this long (3 missed beats): the executor is dead
     max_queued_requests: int = 4096   # accepted but unfinished; beyond it a request gets 429
+    max_queued_tokens: int = 8_000_000   # ... and their prompt plus max_new_tokens
+    tenant_share: float = 0.5         # one tenant's default share of both, over every scheduler instance
+                                      # (their heartbeats carry their tenants' counts): no tenant fills the
+                                      # queue for the others; a key file's limits come on top
     request_timeout_s: float = 900.0  # an accepted request ends by then, whatever happens
     max_program_nodes: int = 1024     # programs: more nodes is a 400
     max_program_tokens: int = 2_000_000   # programs: own text plus generation budget of every node

@@ -14,6 +14,7 @@ MAX_STOP_LEN = 256
 MAX_TOP_LOGPROBS = 20     # OpenAI's bound
 MAX_N = 128
 MAX_RID = 256            # request ids: subject-safe logs and bounded table keys
+MAX_BATCH = 256          # completions one HTTP call may ask for (prompts times n): one call cannot fill the queue
 
 
 def check_sampling(p: SamplingParams) -> None:
@@ -82,3 +83,10 @@ def check_request(r: GenerateRequest) -> None:
         raise BadRequest(f"n must be in [1, {MAX_N}], got {r.n}", param="n")
     if r.n > 1 and r.sampling.max_new_tokens == 0:
         raise BadRequest("n > 1 needs max_new_tokens > 0", param="n")
+
+
+def check_batch(reqs: list[GenerateRequest], param: str = "prompt") -> None:
+    total = sum(r.n for r in reqs)
+    if total > MAX_BATCH:
+        raise BadRequest(f"the call asks for {total} completions (prompts times n); at most {MAX_BATCH} in one "
+                         "call: send the rest in further calls", param=param)

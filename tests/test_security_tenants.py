@@ -162,3 +162,65 @@ async def test_colliding_program_ids_are_each_tenants_own(server):
             assert r.status == 200                          # its owner can cancel it
         lines = [line async for line in a.content if line.startswith(b"data: {")]
     assert json.loads(lines[-1][5:])["state"] == "cancelled"
+
+
+# ---------------------------------------------------------------- shares and /metrics
+
+
+async def test_a_batch_is_capped(server):
+    from radixflow.shared.validate import MAX_BATCH
+    status, body = await post(server, "/v1/completions", "ka", {"model": "m", "prompt": ["x"] * (MAX_BATCH + 1),
+                                                                 "max_tokens": 1})
+    assert status == 400 and "at most" in body["error"]["message"]
+    status, body = await post(server, "/generate", "ka", {"text": ["x"] * 200, "sampling_params": {"n": 2}})
+    assert status == 400
+
+
+async def test_metrics_need_a_key_and_show_only_the_callers_tenant(server):
+    await post(server, "/v1/completions", "ka", {"model": "m", "prompt": "metrics a", "max_tokens": 1})
+    await post(server, "/v1/completions", "kb", {"model": "m", "prompt": "metrics b", "max_tokens": 1})
+    async with server.http.get(server.base + "/metrics") as r:
+        assert r.status == 401
+    async with server.http.get(server.base + "/metrics", headers=auth("nope")) as r:
+        assert r.status == 401
+    async with server.http.get(server.base + "/metrics", headers=auth("ka")) as r:
+        assert r.status == 200
+        mine = await r.text()
+    assert 'tenant="alpha"' in mine and 'tenant="beta"' not in mine and 'tenant="unknown"' not in mine
+    assert 'scope="beta"' not in mine and "radixflow_requests_inflight" in mine      # untenanted series stay
+    async with server.http.get(server.base + "/metrics", headers=auth("kadmin")) as r:
+        everything = await r.text()
+    assert 'tenant="alpha"' in everything and 'tenant="beta"' in everything
+
+
+async def test_health_generate_is_shared_not_a_free_generation(server):
+    async with server.http.get(server.base + "/health_generate") as r:
+        first = await r.json()
+        assert r.status == 200 and first["status"] == "ok"
+    served = server.actors["scheduler"].tenants.tenants["!health"].requests_total
+    for _ in range(5):
+        async with server.http.get(server.base + "/health_generate") as r:
+            assert r.status == 200
+    assert server.actors["scheduler"].tenants.tenants["!health"].requests_total == served   # the cached result
+
+
+async def test_one_tenants_batch_cannot_push_another_to_429(models):
+    """A small server (a queue of 40, a tenant's default share half of it): alpha's batches fill its
+    share and get 429, beta is still served."""
+    st = await start(models["tiny-dense"], gw_api_keys=("ka:alpha", "kb:beta"), sc_max_queued_requests=40)
+    try:
+        big = {"text": ["Count to a thousand:"] * 30, "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}
+        flood = [asyncio.ensure_future(post(st, "/generate", "ka", big)) for _ in range(3)]
+        sched = st.actors["scheduler"]
+        deadline = time.monotonic() + 60
+        while sched.tenants.tenants.get("alpha") is None or sched.tenants.tenants["alpha"].rejected_total == 0:
+            assert time.monotonic() < deadline, "alpha never reached its share"
+            await asyncio.sleep(0.01)
+        assert sched.tenants.tenants["alpha"].inflight <= 20
+        status, body = await post(st, "/generate", "kb", {"text": "Hi", "sampling_params": {"max_new_tokens": 2}})
+        assert status == 200, body
+        results = await asyncio.gather(*flood)
+        assert any(s == 429 for s, _ in results)
+        assert sched.tenants.tenants["beta"].rejected_total == 0
+    finally:
+        await stop(st)

@@ -23,7 +23,7 @@ from radixflow.shared import log, subjects
 from radixflow.shared.errors import BadRequest, RadixflowError
 from radixflow.shared.messages import (AbortRequest, Accepted, DetokenizeReply, DetokenizeRequest, DetokItem, EncodeReply,
                                        EncodeRequest, GenerateRequest, SamplingParams, TopLogprobs)
-from radixflow.shared.validate import MAX_RID, check_request
+from radixflow.shared.validate import MAX_RID, check_batch, check_request
 
 from . import protocol as P
 from .app import CLIENT, CONFIG, KEYS, check_open, principal, request_for
@@ -89,6 +89,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     who = principal(request)
     body: P.GenerateBody = P.decode_body(await request.read(), P.GenerateBody)
     reqs = requests_of(body)
+    check_batch([r for r, _ in reqs], "text")
     for req, _ in reqs:
         request_for(request, who, req)
         check_request(req)

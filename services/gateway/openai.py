@@ -15,7 +15,7 @@ from aiohttp import web
 from radixflow.shared import log
 from radixflow.shared.errors import BadRequest, RadixflowError
 from radixflow.shared.messages import Accepted, GenerateRequest, StreamChunk, TopLogprobs
-from radixflow.shared.validate import check_request
+from radixflow.shared.validate import check_batch, check_request
 
 from . import protocol as P
 from .app import CLIENT, check_model, check_open, principal, request_for
@@ -95,6 +95,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         request_for(request, who, req)
         check_request(req)
         reqs.append(req)
+    check_batch(reqs)
     if body.echo and body.n > 1 and any(r.sampling.max_new_tokens == 0 for r in reqs):
         raise BadRequest("n > 1 needs max_tokens > 0", param="n")
     with log.bind_request(reqs[0].rid):

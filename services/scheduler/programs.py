@@ -113,7 +113,8 @@ class ProgramDriver:
         graph.check_tokens(min(e.info.max_model_len for e in live), min(e.info.vocab_size for e in live))
         run = ProgramRun(req, graph, namespace_of(req.cache_scope or req.tenant, req.cache_salt),
                          req.timeout_s if req.timeout_s > 0 else cfg.request_timeout_s)
-        run.ticket = self.sched.tenants.admit(req.tenant, req.limits, ProgramRun.budget(graph), param="nodes")
+        run.ticket = self.sched.tenants.admit(req.tenant, req.limits, ProgramRun.budget(graph), param="nodes",
+                                              now=time.monotonic(), alive_s=cfg.executor_timeout_s)
         try:
             await self._compile(run)
         except BaseException:

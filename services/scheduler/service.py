@@ -64,7 +64,8 @@ class SchedulerService(OutputPath, Actor):
         self.resampled_total = 0                    # structured outputs sampled again after a failed check
         self.checks = Checks()                      # the final output checks, off the event loop
         self._checking: set[asyncio.Task] = set()   # requests whose end waits for their check (output.py)
-        self.tenants = TenantLedger()
+        self.tenants = TenantLedger(share=config.tenant_share, capacity=(config.max_queued_requests,
+                                                                       config.max_queued_tokens))
         self.router = Router(config.routing, config.route_load_tokens)
         # latency as clients see it, up to this service: from acceptance to the first output, between
         # outputs (per token), to the end
@@ -78,6 +79,7 @@ class SchedulerService(OutputPath, Actor):
         # while draining, the requests in flight still need their executors' outputs and beats
         self.route(subjects.SCHEDULER_ABORT, AbortRequest, self.abort, drain_last=True)
         self.route(subjects.heartbeat("executor"), Heartbeat, self.on_executor_heartbeat, drain_last=True)
+        self.route(subjects.heartbeat("scheduler"), Heartbeat, self.on_scheduler_heartbeat, drain_last=True)
         self.route(self.output_subject, StepOutput, self.on_output, ordered=True, drain_last=True)
         self.programs = ProgramDriver(self)
         self.route(subjects.SCHEDULER_PROGRAM, ProgramRequest, self.programs.submit, queue="scheduler")
@@ -137,6 +139,16 @@ class SchedulerService(OutputPath, Actor):
             self.log.info("executor joined", executor=hb.instance, model=info.model)
         else:
             st.last_seen, st.info = time.monotonic(), info
+
+    async def on_scheduler_heartbeat(self, hb: Heartbeat) -> None:
+        """A peer's tenants' counts: a tenant's share holds over every instance (tenants.py)."""
+        counts = hb.detail.get("tenants")
+        if hb.instance != self.instance and isinstance(counts, dict):
+            self.tenants.peer(hb.instance, time.monotonic(), {t: v for t, v in counts.items()
+                                                              if isinstance(v, list) and len(v) == 2})
+
+    def heartbeat_detail(self) -> dict:
+        return {"tenants": self.tenants.heartbeat()}
 
     def live_executors(self) -> list[ExecutorState]:
         live = [e for e in self.executors.values() if e.info.max_model_len > 0 and not e.info.draining]
@@ -211,7 +223,8 @@ class SchedulerService(OutputPath, Actor):
             ids = (await self.encode(text=req.text, messages=req.messages)).input_ids
             if not ids:
                 raise BadRequest("the prompt tokenizes to nothing", param="text")
-        ticket = self.tenants.admit(req.tenant, req.limits, len(ids) + req.sampling.max_new_tokens * req.n)
+        ticket = self.tenants.admit(req.tenant, req.limits, len(ids) + req.sampling.max_new_tokens * req.n,
+                                    now=time.monotonic(), alive_s=self.cfg.executor_timeout_s)
         try:
             grammar_key, check = await self.compile(req.constraint, req.tenant)
             namespace = namespace_of(req.cache_scope or req.tenant, req.cache_salt)

@@ -44,13 +44,39 @@ class Ticket:
 
 
 class TenantLedger:
-    def __init__(self, retry_after_s: float = RETRY_AFTER_S):
+    """`share` (0 < share <= 1): the part of `capacity` (requests, tokens: this instance's queue
+    bounds, times the scheduler instances alive) one tenant may hold, counted over every instance:
+    its own counts plus what its peers' heartbeats last said (`peer`)."""
+
+    def __init__(self, retry_after_s: float = RETRY_AFTER_S, share: float = 1.0, capacity: tuple[int, int] = (0, 0)):
         self.retry_after_s = retry_after_s
         self.tenants: dict[str, TenantCounts] = {}
+        self.share, self.capacity = share, capacity
+        self.peers: dict[str, tuple[float, dict[str, list[int]]]] = {}   # instance -> (seen at, tenant -> counts)
 
-    def admit(self, tenant: str, limits: TenantLimits | None, tokens: int, param: str = "max_new_tokens") -> Ticket:
+    def peer(self, instance: str, seen_at: float, counts: dict[str, list[int]]) -> None:
+        self.peers[instance] = (seen_at, counts)
+
+    def heartbeat(self) -> dict[str, list[int]]:
+        """What this instance's beats tell its peers: each tenant's [in flight, queued tokens]."""
+        return {t: [c.inflight, c.queued_tokens] for t, c in self.tenants.items() if c.inflight}
+
+    def _share(self, now: float, alive_s: float) -> tuple[int, int]:
+        """One tenant's bounds (requests, tokens; 0: none): its share of every live instance's queue."""
+        live = 1 + sum(now - at <= alive_s for at, _ in self.peers.values())
+        return int(self.share * self.capacity[0] * live), int(self.share * self.capacity[1] * live)
+
+    def _elsewhere(self, tenant: str, now: float, alive_s: float) -> tuple[int, int]:
+        reqs = toks = 0
+        for at, counts in self.peers.values():
+            if now - at <= alive_s and tenant in counts:
+                reqs, toks = reqs + counts[tenant][0], toks + counts[tenant][1]
+        return reqs, toks
+
+    def admit(self, tenant: str, limits: TenantLimits | None, tokens: int, param: str = "max_new_tokens",
+              now: float = 0.0, alive_s: float = 3.5) -> Ticket:
         """Count a request of `tokens` (prompt + max_new_tokens, times n for the output of n > 1)
-        against `tenant`; Overloaded (429, with retry_after) when its limits are reached."""
+        against `tenant`; Overloaded (429, with retry_after) when its limits or its share are reached."""
         c = self.tenants.setdefault(tenant, TenantCounts())
         lim = limits or TenantLimits()
         if lim.max_queued_tokens and tokens > lim.max_queued_tokens:
@@ -58,11 +84,19 @@ class TenantLedger:
             raise BadRequest(f"the request holds up to {tokens} tokens; tenant {tenant!r} may have at most "
                              f"{lim.max_queued_tokens} in flight", param=param)
         why = None
+        share_reqs, share_toks = self._share(now, alive_s)
+        other_reqs, other_toks = self._elsewhere(tenant, now, alive_s)
         if lim.max_concurrent and c.inflight >= lim.max_concurrent:
             why = f"tenant {tenant!r} has {c.inflight} requests in flight (its limit is {lim.max_concurrent})"
         elif lim.max_queued_tokens and c.queued_tokens + tokens > lim.max_queued_tokens:
             why = (f"tenant {tenant!r} has {c.queued_tokens} tokens in flight; {tokens} more would exceed its "
                    f"limit of {lim.max_queued_tokens}")
+        elif share_reqs and c.inflight + other_reqs >= share_reqs:
+            why = (f"tenant {tenant!r} has {c.inflight + other_reqs} requests in flight, its share of the "
+                   f"server's queue")
+        elif share_toks and c.queued_tokens + other_toks + tokens > share_toks:
+            why = (f"tenant {tenant!r} has {c.queued_tokens + other_toks} tokens in flight; {tokens} more would "
+                   f"pass its share of the server's queue ({share_toks})")
         if why is not None:
             c.rejected_total += 1
             raise Overloaded(why + "; try again later", retry_after=self.retry_after_s)
