@@ -79,7 +79,7 @@ def test_kill_9_the_grammar_service_with_constrained_requests_in_flight(cluster)
 
 def test_sigterm_drains_an_executor(cluster):
     outs, struck = burst(cluster, lambda: cluster.signal("executor", signal.SIGTERM, index=1), max_tokens=320)
-    assert min(o["t"] for o in outs) > struck, "the streams ended before the signal: nothing was drained"
+    assert min(o["t"] for o in outs) > struck, ("the streams ended before the signal: nothing was drained", [(o["end"], o["tokens"], o.get("http"), round(o["t"] - struck, 2)) for o in outs])
     assert_every_stream_ended_once(outs, struck)
     assert [o["end"] for o in outs] == ["done"] * N, [o["end"] for o in outs]
     assert_idle_and_serving(cluster)

@@ -224,3 +224,31 @@ async def test_one_tenants_batch_cannot_push_another_to_429(models):
         assert sched.tenants.tenants["beta"].rejected_total == 0
     finally:
         await stop(st)
+
+
+# ---------------------------------------------------------------- no orphans
+
+
+async def test_requests_of_a_gone_gateway_are_dropped(server):
+    """A gateway that stops beating leaves nobody to read its streams: its requests end and leave
+    their executor, instead of running to their deadline."""
+    from radixflow.shared import subjects
+    from radixflow.shared.bus import Bus
+    from radixflow.shared.config import BusConfig
+    from radixflow.shared.messages import Accepted, GenerateRequest, Heartbeat, SamplingParams, StreamError
+    sched = server.actors["scheduler"]
+    bus = Bus("fake-gateway", BusConfig(nats_url=server.nats.url))
+    await bus.connect()
+    try:
+        await bus.publish(subjects.heartbeat("gateway"), Heartbeat(service="gateway", instance="gw-gone", ts=time.time()))
+        async with bus.open_stream(idle_timeout_s=60) as s:
+            await bus.request(subjects.SCHEDULER_SUBMIT, GenerateRequest(
+                rid="orphan", stream_subject=s.subject, text="Count forever:", tenant="alpha", origin="gw-gone",
+                sampling=SamplingParams(max_new_tokens=30_000, ignore_eos=True)), Accepted)
+            t0 = time.monotonic()
+            items = [i async for i in s]
+        assert isinstance(items[-1], StreamError) and items[-1].code == 503 and "gw-gone" in items[-1].message
+        assert time.monotonic() - t0 < 60
+        assert "alpha/orphan" not in sched.table
+    finally:
+        await bus.close()

@@ -93,8 +93,9 @@ class Result:
 
 class EngineClient:
     def __init__(self, bus: Bus, scheduler_timeout_s: float, request_timeout_s: float = 960.0,
-                 stall_check_s: float = 5.0):
+                 stall_check_s: float = 5.0, origin: str = ""):
         self.bus = bus
+        self.origin = origin          # this gateway's instance: schedulers drop its requests once it stops beating
         self.stall_check_s = stall_check_s
         self.scheduler_timeout_s = scheduler_timeout_s
         self.request_timeout_s = request_timeout_s
@@ -198,7 +199,7 @@ class EngineClient:
         scoped by its tenant (shared/ids.py)."""
         done = False
         async with self.bus.open_stream(idle_timeout_s=self.request_timeout_s) as stream:
-            req.stream_subject = stream.subject
+            req.stream_subject, req.origin = stream.subject, self.origin
             try:
                 acc = await self.bus.request(subject, req, accepted, timeout=timeout)
             except (RequestTimeout, RequestLost):

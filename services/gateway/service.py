@@ -40,7 +40,8 @@ class GatewayService(Actor):
                  request_timeout_s: float = 960.0):
         super().__init__(bus, service_config)
         self.cfg = config
-        self.client = EngineClient(bus, config.scheduler_timeout_s, request_timeout_s, config.stall_check_s)
+        self.client = EngineClient(bus, config.scheduler_timeout_s, request_timeout_s, config.stall_check_s,
+                                   origin=self.instance)
         self.app = make_app(bus, self.client, config)
         if not self.app[KEYS] and not config.insecure and not loopback(config.host):
             raise ValueError(f"refusing to serve without API keys on {config.host!r}, which is not a loopback "

@@ -31,7 +31,10 @@ else:
 
 class OutputPath(_Base):
     async def on_output(self, step: StepOutput) -> None:
-        live = [(t, o) for o in step.outputs if (t := self.table.get(o.rid)) is not None and not t.stopping]
+        # only the executor that runs a request now speaks for it: one it moved away from (recovery.py)
+        # or one that never had it is not heard
+        live = [(t, o) for o in step.outputs if (t := self.table.get(o.rid)) is not None and not t.stopping
+                and t.executor == step.executor]
         if not live:
             return
         now = time.monotonic()

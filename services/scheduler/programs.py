@@ -42,6 +42,8 @@ class ProgramRun:
         self.id, self.subject, self.stream, self.tenant = req.id, req.stream_subject, req.stream, req.tenant
         self.key = ids_.scoped(req.tenant, req.id)    # the caller's id is its own; ours is scoped by tenant
         self.json = req.json_stream
+        self.origin = req.origin
+        self.accepted_at = time.monotonic()
         self.graph = graph
         self.namespace = namespace
         self.timeout_s = timeout_s

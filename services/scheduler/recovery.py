@@ -7,6 +7,8 @@ accepted request still ends exactly once:
                     are fetched again from the executor (Replay)
     lost end:       a request silent for stall_check_s that its executor no longer has -> 502
     deadline:       past request_timeout_s -> 504, and aborted on its executor
+    gone gateway:   the gateway a request (or program) came through stopped beating -> it ends
+                    (503 to a stream nobody reads) and is aborted on its executor
 """
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ from typing import TYPE_CHECKING
 
 from radixflow.shared import subjects
 from radixflow.shared.errors import RadixflowError, RequestLost
-from radixflow.shared.messages import (ExecAccepted, LiveQuery, LiveReply, Replay, Replayed, SeqOutput, StatusReply,
-                                       StatusRequest)
+from radixflow.shared.messages import (ExecAccepted, LiveQuery, LiveReply, ProgramQuery, Replay, Replayed, SeqOutput,
+                                       StatusReply, StatusRequest)
 
 from .table import Tracked
 
@@ -71,8 +73,23 @@ class Recovery:
             if settled:
                 await self._probe_silent(now)
             await s.programs.expire(now)
+            if settled:
+                await self._drop_orphans(now)
             for t in s.table.expired(now):
                 await s.fail(t, 504, "timeout", f"request did not finish within {s.cfg.request_timeout_s:g}s", abort=True)
+
+    async def _drop_orphans(self, now: float) -> None:
+        """Requests and programs whose gateway stopped beating: nobody waits for them any more (its
+        streams went with it), so they stop instead of running to their deadline."""
+        s = self.sched
+        after = 2 * s.cfg.executor_timeout_s     # the gateway's beats, missed for as long as an executor's kill it
+        for t in s.table.orphaned(now, s.gateways, after):
+            s.log.warning("request of a gone gateway dropped", rid=t.rid, gateway=t.origin)
+            await s.fail(t, 503, "service_unavailable", f"gateway {t.origin} stopped responding", abort=True)
+        for run in [r for r in s.programs.runs.values()
+                    if r.origin and now - max(s.gateways.get(r.origin, 0.0), r.accepted_at) > after]:
+            s.log.warning("program of a gone gateway cancelled", program=run.key, gateway=run.origin)
+            await s.programs.cancel(ProgramQuery(id=run.id, tenant=run.tenant))
 
     async def _answers(self, instance: str) -> bool:
         try:

@@ -80,6 +80,8 @@ class SchedulerService(OutputPath, Actor):
         self.route(subjects.SCHEDULER_ABORT, AbortRequest, self.abort, drain_last=True)
         self.route(subjects.heartbeat("executor"), Heartbeat, self.on_executor_heartbeat, drain_last=True)
         self.route(subjects.heartbeat("scheduler"), Heartbeat, self.on_scheduler_heartbeat, drain_last=True)
+        self.gateways: dict[str, float] = {}        # gateway instance -> its latest beat (monotonic)
+        self.route(subjects.heartbeat("gateway"), Heartbeat, self.on_gateway_heartbeat, drain_last=True)
         self.route(self.output_subject, StepOutput, self.on_output, ordered=True, drain_last=True)
         self.programs = ProgramDriver(self)
         self.route(subjects.SCHEDULER_PROGRAM, ProgramRequest, self.programs.submit, queue="scheduler")
@@ -146,6 +148,9 @@ class SchedulerService(OutputPath, Actor):
         if hb.instance != self.instance and isinstance(counts, dict):
             self.tenants.peer(hb.instance, time.monotonic(), {t: v for t, v in counts.items()
                                                               if isinstance(v, list) and len(v) == 2})
+
+    async def on_gateway_heartbeat(self, hb: Heartbeat) -> None:
+        self.gateways[hb.instance] = time.monotonic()
 
     def heartbeat_detail(self) -> dict:
         return {"tenants": self.tenants.heartbeat()}
@@ -248,7 +253,7 @@ class SchedulerService(OutputPath, Actor):
                 await self.dispatch(ex, exec_req, Tracked(
                     rid=req.rid, stream_subject=req.stream_subject, executor=ex.instance, prompt_tokens=len(ids),
                     sampling=req.sampling, deadline=deadline, stream=req.stream, check=check, ticket=ticket,
-                    json=req.json_stream,
+                    json=req.json_stream, origin=req.origin,
                     prompt_ids=ids[start:] if start >= 0 else []), reserved=True, burst=burst)
             else:
                 await self._fan_out(ex, req, exec_req, check, deadline, ticket)
@@ -271,7 +276,7 @@ class SchedulerService(OutputPath, Actor):
         parent_sampling = msgspec.structs.replace(req.sampling, max_new_tokens=0, logprobs=False)
         await self.dispatch(ex, msgspec.structs.replace(exec_req, sampling=parent_sampling, grammar_key=None), Tracked(
             rid=req.rid, stream_subject="", executor=ex.instance, prompt_tokens=len(ids), sampling=parent_sampling,
-            deadline=deadline, stream=False, sink=group.on_parent, ticket=ticket,
+            deadline=deadline, stream=False, sink=group.on_parent, ticket=ticket, origin=req.origin,
             prompt_ids=exec_req.input_ids[exec_req.logprob_start:] if exec_req.logprob_start >= 0 else []))
         self.siblings[req.rid] = group
 
@@ -283,7 +288,7 @@ class SchedulerService(OutputPath, Actor):
                 await self.dispatch(ex, msgspec.structs.replace(exec_req, rid=rid, sampling=sampling, logprob_start=-1,
                                                                 after=req.rid), Tracked(
                     rid=rid, stream_subject="", executor=ex.instance, prompt_tokens=len(ids), sampling=sampling,
-                    deadline=deadline, stream=req.stream, check=check, ticket=ticket,
+                    deadline=deadline, stream=req.stream, check=check, ticket=ticket, origin=req.origin,
                     sink=lambda item: group.on_child(i, item)))
             except RadixflowError as e:
                 await group.on_child(i, StreamError(rid=rid, seq=0, code=e.code, kind=e.kind, message=e.message))

@@ -62,6 +62,7 @@ class Tracked:
     last_token_at: float = 0.0    # when its latest output arrived (0: none yet)
     heard_at: float = field(default_factory=time.monotonic)   # its latest output of any kind, or its dispatch
     probed_at: float = 0.0        # when its executor was last asked whether it still runs it
+    origin: str = ""              # the gateway waiting for it ("": a NATS client; recovery.py)
 
     def __post_init__(self) -> None:
         self.stops = StopMatcher(self.sampling.stop)
@@ -118,6 +119,11 @@ class RequestTable:
     def silent(self, now: float, after_s: float) -> list[Tracked]:
         """Requests without output for `after_s`, not asked about in that time either."""
         return [t for t in self._live.values() if now - t.heard_at > after_s and now - t.probed_at > after_s]
+
+    def orphaned(self, now: float, gateways: dict[str, float], after_s: float) -> list[Tracked]:
+        """Requests whose gateway has not beaten for `after_s` (since their acceptance at least)."""
+        return [t for t in self._live.values()
+                if t.origin and now - max(gateways.get(t.origin, 0.0), t.accepted_at) > after_s]
 
     def expired(self, now: float) -> list[Tracked]:
         return [t for t in self._live.values() if now > t.deadline]

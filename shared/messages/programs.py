@@ -61,6 +61,7 @@ class ProgramRequest(Msg):
     stream: bool = False              # also send each node's text deltas as it generates
     timeout_s: float = 0.0            # the program's one deadline (0: the scheduler's request timeout)
     json_stream: bool = False         # events in JSON (set when the request itself came as JSON)
+    origin: str = ""                  # as GenerateRequest.origin
 
 
 class ProgramAccepted(Msg):

@@ -78,6 +78,7 @@ class GenerateRequest(Msg):
     logprob_start: int = -1           # >= 0: the last chunk carries the prompt tokens' logprobs from here on
     n: int = 1                        # > 1: n completions of one prompt (prefilled once), chunks carry `index`
     json_stream: bool = False         # stream items in JSON (set when the request itself came as JSON)
+    origin: str = ""                  # the gateway instance that waits for it: its beats stop, the request ends
 
 
 class Accepted(Msg):
