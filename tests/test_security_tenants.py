@@ -252,3 +252,25 @@ async def test_requests_of_a_gone_gateway_are_dropped(server):
         assert "alpha/orphan" not in sched.table
     finally:
         await bus.close()
+
+
+# ---------------------------------------------------------------- closed by default
+
+
+def test_a_gateway_without_keys_refuses_a_public_address():
+    from radixflow.services.gateway.service import GatewayService, loopback
+    from radixflow.shared.bus import Bus
+    from radixflow.shared.config import BusConfig, GatewayConfig
+    assert loopback("127.0.0.1") and loopback("::1") and loopback("localhost")
+    assert not loopback("0.0.0.0") and not loopback("10.1.2.3")
+    bus = Bus("gw-test", BusConfig(nats_url="nats://127.0.0.1:1"))
+    with pytest.raises(ValueError, match="--insecure"):
+        GatewayService(bus, GatewayConfig(host="0.0.0.0"))
+    GatewayService(bus, GatewayConfig(host="0.0.0.0", api_keys=("k:t",)))      # with keys: fine
+    GatewayService(bus, GatewayConfig(host="0.0.0.0", insecure=True))          # told so: fine
+
+
+def test_processes_keep_keys_off_command_lines():
+    from radixflow.services.cli.main import _passthrough
+    assert _passthrough(["up", "--processes", "--api-key", "k:a", "--api-key=k2:b", "--dtype", "float32"]) \
+        == ("--dtype", "float32")

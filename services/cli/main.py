@@ -97,8 +97,9 @@ def _overrides(a: argparse.Namespace) -> dict:
 def _passthrough(argv: list[str]) -> tuple[str, ...]:
     """The serving flags of an `up --processes` command line, for every `radixflow service`."""
     out, skip = [], False
+    # --api-key goes to the gateways in their environment (cmd_up), not on command lines `ps` shows
     own = {"--processes", "--executors", "--schedulers", "--tokenizers", "--gateways", "--grammars", "--nats-url",
-           "--model", "--host", "--port", "--log-dir", "up"}
+           "--model", "--host", "--port", "--log-dir", "up", "--api-key"}
     for i, x in enumerate(argv):
         if skip:
             skip = False
@@ -117,7 +118,8 @@ def cmd_up(a: argparse.Namespace) -> int:
         counts = {"executor": a.executors, "scheduler": a.schedulers, "tokenizer": a.tokenizers,
                   "gateway": a.gateways, "grammar": a.grammars}
         Cluster(ClusterConfig(model=a.model or default_model(), nats_url=a.nats_url or "", host=a.host or "127.0.0.1",
-                              port=a.port or 8000, counts=counts, args=_passthrough(a.argv), log_dir=a.log_dir or "")
+                              port=a.port or 8000, counts=counts, args=_passthrough(a.argv), log_dir=a.log_dir or "",
+                              env={"RADIXFLOW_GATEWAY_API_KEYS": ",".join(a.api_key)} if a.api_key else {})
                 ).run_until_signal()
         return 0
     from radixflow.services.stack import Stack, run_until_signal, stack_config
