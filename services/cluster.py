@@ -24,6 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from radixflow.shared import log
+from radixflow.shared import creds
 from radixflow.shared.natsd import NatsServer, dying_with_parent
 
 from .stack import ORDER
@@ -82,6 +83,7 @@ class Cluster:
     def __init__(self, cfg: ClusterConfig):
         self.cfg = cfg
         self.nats = None
+        self.creds: creds.Ephemeral | None = None
         self.url = cfg.nats_url
         self.children: dict[str, list[Child]] = {}
         self._lock = threading.Lock()
@@ -94,7 +96,10 @@ class Cluster:
 
     def start(self) -> "Cluster":
         if not self.url:
-            self.nats = NatsServer(max_payload=self.cfg.max_payload, own_group=True).start()
+            # secured: every service with its own nkey and permissions; the keys live for this run
+            self.creds = creds.Ephemeral()
+            self.nats = NatsServer(max_payload=self.cfg.max_payload, own_group=True,
+                                   auth_conf=self.creds.server_conf).start()
             self.url = self.nats.url
         if self.cfg.log_dir:
             os.makedirs(self.cfg.log_dir, exist_ok=True)
@@ -116,7 +121,7 @@ class Cluster:
         argv += list(cfg.args)
         if name == "gateway":
             argv += ["--host", cfg.host, "--port", str(cfg.port)]
-        env = dict(os.environ) | cfg.env
+        env = dict(os.environ) | cfg.env | (self.creds.env if self.creds else {})
         if name == "gateway" and cfg.count("gateway") > 1:
             env["RADIXFLOW_GATEWAY_REUSE_PORT"] = "1"
         if name == "executor" and cfg.count("executor") > 1:
@@ -171,6 +176,9 @@ class Cluster:
         if self.nats is not None:
             self.nats.stop()
             self.nats = None
+        if self.creds is not None:
+            self.creds.close()
+            self.creds = None
 
     def __enter__(self) -> "Cluster":
         try:

@@ -86,7 +86,7 @@ class Stack:
         gc.disable()
         try:
             for n in self.names:
-                bus = Bus(f"radixflow-{n}", self.cfg.bus)
+                bus = Bus(f"radixflow-{n}", self.cfg.bus, role=n)
                 await bus.connect()
                 self._exit.push_async_callback(bus.close)
                 actor = build(n, bus, self.cfg)
@@ -156,6 +156,7 @@ def stack_config(nats_url: str, model: str, **over) -> StackConfig:
     ex = {k[3:]: v for k, v in over.items() if k.startswith("ex_")}
     gw = {k[3:]: v for k, v in over.items() if k.startswith("gw_")}
     sc = {k[3:]: v for k, v in over.items() if k.startswith("sc_")}
-    return StackConfig(bus=load(BusConfig, nats_url=nats_url), executor=load(ExecutorConfig, model=model, **ex),
+    bu = {k[4:]: v for k, v in over.items() if k.startswith("bus_")}
+    return StackConfig(bus=load(BusConfig, nats_url=nats_url, **bu), executor=load(ExecutorConfig, model=model, **ex),
                        scheduler=load(SchedulerConfig, **sc), gateway=load(GatewayConfig, **gw),
                        service=load(ServiceConfig), grammar_backend=over.get("gr_backend") or "auto")

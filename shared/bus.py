@@ -22,7 +22,7 @@ import nats.errors
 from nats.aio.msg import Msg as NatsMsg
 from nats.aio.subscription import Subscription
 
-from . import log, messages, subjects
+from . import creds, log, messages, subjects
 from .config import BusConfig
 from .errors import (BadRequest, PayloadTooLarge, RadixflowError, RequestLost, RequestTimeout, ServiceUnavailable, StreamGap,
                      from_reply)
@@ -54,9 +54,11 @@ async def _quietly(aw: Awaitable[Any]) -> None:
 
 
 class Bus:
-    def __init__(self, name: str, config: BusConfig):
+    def __init__(self, name: str, config: BusConfig, role: str = ""):
         self.name = name
         self.config = config
+        self.role = role          # its service (the credentials and inbox it takes: shared/creds.py)
+        self.inbox_prefix = creds.inbox_prefix(role) if role else "_INBOX"
         self._nc: nats.NATS | None = None
         self._closing = False
         # NATS core delivers at most once: a message in flight when the connection drops is gone.
@@ -80,15 +82,33 @@ class Bus:
                 self._nc = await nats.connect(
                     servers=servers, name=self.name, max_reconnect_attempts=-1, dont_randomize=True,
                     reconnect_time_wait=self.config.reconnect_wait_s, connect_timeout=2,
-                    allow_reconnect=True, error_cb=self._on_error,
-                    disconnected_cb=self._on_disconnect, reconnected_cb=self._on_reconnect)
+                    allow_reconnect=True, error_cb=self._on_error, inbox_prefix=self.inbox_prefix,
+                    disconnected_cb=self._on_disconnect, reconnected_cb=self._on_reconnect, **self._auth())
                 self._up_since = time.monotonic()
                 self._reconnected = asyncio.Event()
                 return
             except (OSError, nats.errors.Error, asyncio.TimeoutError) as e:
                 if asyncio.get_running_loop().time() > deadline:
-                    raise ServiceUnavailable(f"cannot reach NATS at {self.config.nats_url}: {e}") from e
+                    raise ServiceUnavailable(f"cannot reach NATS at {_redacted(self.config.nats_url)}: {e}") from e
                 await asyncio.sleep(0.2)
+
+    def _auth(self) -> dict:
+        """nats-py's credential and TLS options from the config (files only)."""
+        c, out = self.config, {}
+        if c.nkey_dir and self.role:
+            out["nkeys_seed"] = creds.seed_file(c.nkey_dir, self.role)
+        elif c.nkey_seed_file:
+            out["nkeys_seed"] = c.nkey_seed_file
+        if c.creds_file:
+            out["user_credentials"] = c.creds_file
+        if c.tls_ca_file or c.tls_cert_file:
+            import ssl
+            ctx = ssl.create_default_context(cafile=c.tls_ca_file or None)
+            if c.tls_cert_file:
+                ctx.load_cert_chain(c.tls_cert_file, c.tls_key_file or None)
+            out["tls"] = ctx
+            out["tls_handshake_first"] = c.tls_handshake_first
+        return out
 
     async def close(self) -> None:
         """Drain (what was published goes out first), then close. A server that is gone (one
@@ -276,7 +296,7 @@ class InboxStream:
 
     def __init__(self, bus: Bus, idle_timeout_s: float | None):
         self.bus = bus
-        self.subject = subjects.stream_inbox(secrets.token_hex(12))
+        self.subject = f"{bus.inbox_prefix}.rf.{secrets.token_hex(12)}"   # its reader's own inbox
         self.idle_timeout_s = idle_timeout_s
         self._queue: asyncio.Queue[bytes | Msg | BaseException] = asyncio.Queue()
         self._sub: Subscription | None = None
@@ -358,3 +378,9 @@ class InboxStream:
 
 
 __all__ = ["Bus", "InboxStream", "RadixflowError"]
+
+
+def _redacted(url: str) -> str:
+    """A NATS URL list without the user:password parts (logs and errors are read by others)."""
+    import re
+    return re.sub(r"//[^/@,]*@", "//***@", url)

@@ -21,6 +21,16 @@ class BusConfig:
     request_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
     reconnect_wait_s: float = 0.5
+    # credentials, from files named here or in RADIXFLOW_BUS_* (never on a command line): a directory of
+    # per-service nkeys (`radixflow creds DIR`; each service takes DIR/<service>.nk), one seed file, or
+    # a .creds file (NATS JWT auth); TLS to the server with a CA (and a client certificate)
+    nkey_dir: str = ""
+    nkey_seed_file: str = ""
+    creds_file: str = ""
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_handshake_first: bool = False
 
 
 @dataclass(frozen=True)

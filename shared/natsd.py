@@ -62,13 +62,14 @@ class NatsServer:
     service waited out its drain timeout: `up` took minutes to exit). Its owner stops it last."""
 
     def __init__(self, port: int | None = None, max_payload: int | None = None, cluster_port: int | None = None,
-                 routes: list[str] | None = None, name: str = "", own_group: bool = False):
+                 routes: list[str] | None = None, name: str = "", own_group: bool = False, auth_conf: str = ""):
         self.port = port or free_port()
         self.max_payload = max_payload
         self.cluster_port = cluster_port      # a node of a NATS cluster: routes to the other nodes
         self.routes = routes or []
         self.name = name
         self.own_group = own_group
+        self.auth_conf = auth_conf            # an authorization block (shared/creds.py): no anonymous clients
         self.proc: subprocess.Popen | None = None
         self._log = None
 
@@ -84,9 +85,13 @@ class NatsServer:
                 args += ["--routes", ",".join(self.routes)]
         if self.name:
             args += ["-n", self.name]
-        if self.max_payload:
+        if self.max_payload or self.auth_conf:
+            # written 0600 (NamedTemporaryFile's mode): it names the services' public keys only, but
+            # it is the server's whole configuration
             conf = tempfile.NamedTemporaryFile("w", suffix=".conf", delete=False)
-            conf.write(f"max_payload: {self.max_payload}\n")
+            if self.max_payload:
+                conf.write(f"max_payload: {self.max_payload}\n")
+            conf.write(self.auth_conf)
             conf.close()
             args += ["-c", conf.name]
         self._log = tempfile.TemporaryFile()

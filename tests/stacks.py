@@ -7,14 +7,20 @@ import asyncio
 import aiohttp
 
 from radixflow.services.stack import Stack, stack_config
+from radixflow.shared import creds
 from radixflow.shared.natsd import NatsServer
 
 
-async def start(model: str, **over) -> Stack:
-    """Started and healthy; `st.base` is its HTTP root, `st.http` a session, `st.nats` its server."""
-    nats = NatsServer().start()
+async def start(model: str, secured: bool = False, **over) -> Stack:
+    """Started and healthy; `st.base` is its HTTP root, `st.http` a session, `st.nats` its server.
+    secured: NATS as `radixflow up` runs it, each service with its own nkey and permissions
+    (`st.creds.dir` holds the keys, client.nk among them)."""
+    keys = creds.Ephemeral() if secured else None
+    nats = NatsServer(auth_conf=keys.server_conf if keys else "").start()
+    if keys:
+        over["bus_nkey_dir"] = keys.dir
     st = await Stack(stack_config(nats.url, model, gw_port=0, **over)).start()
-    st.nats = nats
+    st.nats, st.creds = nats, keys
     st.base = f"http://127.0.0.1:{st.actors['gateway'].port}"
     st.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
     await wait_healthy(st.base)
@@ -39,3 +45,5 @@ async def stop(st: Stack) -> None:
     await st.http.close()
     await st.stop()
     st.nats.stop()
+    if st.creds is not None:
+        st.creds.close()

@@ -138,7 +138,7 @@ async def test_retry_after_header(server):
 async def test_metrics_per_tenant(server):
     await complete(server, "key-a")
     await asyncio.sleep(0.1)
-    async with server.http.get(server.base + "/metrics") as r:
+    async with server.http.get(server.base + "/metrics", headers=auth("key-admin")) as r:
         text = await r.text()
     assert 'radixflow_http_requests_total{' in text and 'tenant="alpha"' in text
     assert "key-a" not in text                                # keys are never exposed

@@ -41,6 +41,17 @@ def test_the_cluster_is_separate_processes(cluster):
     assert_idle_and_serving(cluster)
 
 
+def test_the_cluster_bus_refuses_anonymous_clients(cluster):
+    """`up --processes` runs its nats-server with a key per service: no anonymous client."""
+    import asyncio
+    import nats
+
+    async def anonymous():
+        with pytest.raises(Exception, match="Authorization Violation"):
+            await nats.connect(cluster.url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0)
+    asyncio.run(anonymous())
+
+
 def test_kill_9_an_executor_mid_decode(cluster):
     outs, struck = burst(cluster, lambda: cluster.signal("executor", signal.SIGKILL, index=0))
     assert_every_stream_ended_once(outs, struck)

@@ -35,7 +35,7 @@ def auth(key: str) -> dict:
 async def server(models, tmp_path_factory):
     path = tmp_path_factory.mktemp("sec") / "keys.json"
     path.write_text(json.dumps(KEYS))
-    st = await start(models["tiny-dense"], gw_auth_file=str(path))
+    st = await start(models["tiny-dense"], secured=True, gw_auth_file=str(path))
     yield st
     await stop(st)
 
@@ -207,7 +207,8 @@ async def test_health_generate_is_shared_not_a_free_generation(server):
 async def test_one_tenants_batch_cannot_push_another_to_429(models):
     """A small server (a queue of 40, a tenant's default share half of it): alpha's batches fill its
     share and get 429, beta is still served."""
-    st = await start(models["tiny-dense"], gw_api_keys=("ka:alpha", "kb:beta"), sc_max_queued_requests=40)
+    st = await start(models["tiny-dense"], secured=True, gw_api_keys=("ka:alpha", "kb:beta"),
+                     sc_max_queued_requests=40)
     try:
         big = {"text": ["Count to a thousand:"] * 30, "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}
         flood = [asyncio.ensure_future(post(st, "/generate", "ka", big)) for _ in range(3)]
@@ -237,7 +238,7 @@ async def test_requests_of_a_gone_gateway_are_dropped(server):
     from radixflow.shared.config import BusConfig
     from radixflow.shared.messages import Accepted, GenerateRequest, Heartbeat, SamplingParams, StreamError
     sched = server.actors["scheduler"]
-    bus = Bus("fake-gateway", BusConfig(nats_url=server.nats.url))
+    bus = Bus("fake-gateway", BusConfig(nats_url=server.nats.url, nkey_dir=server.creds.dir), role="gateway")
     await bus.connect()
     try:
         await bus.publish(subjects.heartbeat("gateway"), Heartbeat(service="gateway", instance="gw-gone", ts=time.time()))
@@ -274,3 +275,72 @@ def test_processes_keep_keys_off_command_lines():
     from radixflow.services.cli.main import _passthrough
     assert _passthrough(["up", "--processes", "--api-key", "k:a", "--api-key=k2:b", "--dtype", "float32"]) \
         == ("--dtype", "float32")
+
+
+# ---------------------------------------------------------------- the bus
+
+
+async def anonymous_is_refused(url: str) -> None:
+    import nats
+    with pytest.raises(Exception, match="Authorization Violation"):
+        await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0)
+
+
+async def test_an_anonymous_nats_client_is_refused(server):
+    await anonymous_is_refused(server.nats.url)
+
+
+async def test_a_services_key_cannot_publish_anothers_subjects(server):
+    """The tokenizer's key cannot submit, pose as an executor's output or ask radix about a namespace;
+    the NATS-client key cannot listen to everything. Violations are refused by the server (a
+    publish is dropped, with an error to the client; a request gets no answer)."""
+    import nats
+    from radixflow.shared import creds
+    errors: list[str] = []
+
+    async def on_error(e):
+        errors.append(str(e))
+    nc = await nats.connect(server.nats.url, nkeys_seed=creds.seed_file(server.creds.dir, "tokenizer"),
+                            inbox_prefix=creds.inbox_prefix("tokenizer"), error_cb=on_error)
+    try:
+        sched = server.actors["scheduler"]
+        for subject in ("rf.scheduler.submit", f"rf.scheduler.{sched.instance}.output", "rf.radix.place",
+                        "rf.heartbeat.executor"):
+            await nc.publish(subject, b"{}")
+        await nc.flush()
+        await asyncio.sleep(0.3)
+        assert sum("permissions violation" in e for e in errors) == 4, errors
+        with pytest.raises(nats.errors.TimeoutError):
+            await nc.request("rf.radix.place", b"{}", timeout=1)
+    finally:
+        await nc.close()
+    errors.clear()
+    client = await nats.connect(server.nats.url, nkeys_seed=creds.seed_file(server.creds.dir, "client"),
+                                inbox_prefix=creds.inbox_prefix("client"), error_cb=on_error)
+    try:
+        await client.subscribe(">")
+        await client.subscribe("_INBOX.gateway.>")          # a gateway's streams: not the client's
+        await client.flush()
+        await asyncio.sleep(0.3)
+        assert sum("permissions violation" in e for e in errors) == 2, errors
+    finally:
+        await client.close()
+
+
+async def test_the_nats_client_key_serves_the_public_api(server):
+    """A NATS API client with its key: submit, read its stream (under its own inbox)."""
+    from radixflow.shared import subjects
+    from radixflow.shared.bus import Bus
+    from radixflow.shared.config import BusConfig
+    from radixflow.shared.messages import Accepted, GenerateRequest, SamplingParams, StreamChunk
+    bus = Bus("api-client", BusConfig(nats_url=server.nats.url, nkey_dir=server.creds.dir), role="client")
+    await bus.connect()
+    try:
+        async with bus.open_stream(idle_timeout_s=60) as s:
+            await bus.request(subjects.SCHEDULER_SUBMIT, GenerateRequest(
+                rid="via-nats", stream_subject=s.subject, text="Hello", tenant="alpha",
+                sampling=SamplingParams(max_new_tokens=3, ignore_eos=True)), Accepted)
+            items = [i async for i in s]
+        assert isinstance(items[-1], StreamChunk) and items[-1].finished and items[-1].rid == "via-nats"
+    finally:
+        await bus.close()

@@ -125,18 +125,34 @@ def cmd_up(a: argparse.Namespace) -> int:
     from radixflow.services.stack import Stack, run_until_signal, stack_config
     from radixflow.shared.natsd import NatsServer
     model = a.model or default_model()
-    server = None
+    server = keys = None
     url = a.nats_url
     if not url:
-        # compiled grammars travel as one message each: room for large vocabularies' blobs
-        server = NatsServer(max_payload=8 * 1024 * 1024, own_group=True).start()
+        # secured: each service connects with its own nkey and permissions (shared/creds.py), no
+        # anonymous client; compiled grammars travel as one message each: room for large vocabularies' blobs
+        from radixflow.shared import creds
+        keys = creds.Ephemeral()
+        os.environ.update(keys.env)
+        server = NatsServer(max_payload=8 * 1024 * 1024, own_group=True, auth_conf=keys.server_conf).start()
         url = server.url
-        print(f"embedded nats-server on {url}", file=sys.stderr)
+        print(f"embedded nats-server on {url} (nkeys in {keys.dir})", file=sys.stderr)
     try:
         asyncio.run(run_until_signal(Stack(stack_config(url, model, **_overrides(a)))))
     finally:
         if server is not None:
             server.stop()
+        if keys is not None:
+            keys.close()
+    return 0
+
+
+def cmd_creds(a: argparse.Namespace) -> int:
+    """One nkey per service (and one for NATS API clients) and nats-server's authorization block."""
+    from radixflow.shared import creds
+    public = creds.generate(a.dir)
+    print(f"wrote {len(public)} keys ({', '.join(public)}) and auth.conf to {a.dir}\n"
+          f"  nats-server: add `include auth.conf` (a copy beside its config) to its configuration\n"
+          f"  services:    RADIXFLOW_BUS_NKEY_DIR={a.dir} (each takes <service>.nk; a NATS client client.nk)")
     return 0
 
 
@@ -312,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nats-url", default=os.environ.get("RADIXFLOW_BUS_NATS_URL", "nats://127.0.0.1:4222"))
     _serving_args(p)
     p.set_defaults(fn=cmd_service)
+    p = sub.add_parser("creds", help="NATS credentials for a deployment: a key per service and the server's auth.conf")
+    p.add_argument("dir")
+    p.set_defaults(fn=cmd_creds)
+
     p = sub.add_parser("alive", help="health check: a service sent a heartbeat lately (RADIXFLOW_SERVICE_ALIVE_FILE)")
     p.add_argument("file")
     p.add_argument("--max-age", type=float, default=15.0)
