@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from radixflow.services.cluster import ClusterConfig
+from radixflow.shared import creds
 from radixflow.services.stack import ORDER
 from radixflow.shared.natsd import find_binary, free_port
 
@@ -75,7 +76,10 @@ def test_compose_and_image_are_hardened(compose):
     svcs = compose["services"]
     assert [n for n, s in svcs.items() if s.get("ports")] == ["gateway"]
     assert svcs["gateway"]["environment"]["RADIXFLOW_GATEWAY_AUTH_FILE"].startswith("/run/secrets/")
-    assert svcs["gateway"]["secrets"] == ["radixflow_keys"]
+    assert svcs["gateway"]["secrets"] == ["radixflow_keys", "nats_gateway"]
+    for name in ORDER:        # each service holds its own NATS key, and only that one
+        assert [x for x in svcs[name]["secrets"] if x.startswith("nats_")] == [f"nats_{name}"], name
+        assert svcs[name]["environment"]["RADIXFLOW_BUS_NKEY_SEED_FILE"] == f"/run/secrets/nats_{name}"
     for name, s in svcs.items():
         assert s.get("deploy", {}).get("resources", {}).get("limits", {}).get("memory"), name
         if name != "model-init":
@@ -101,8 +105,11 @@ def test_compose_commands_serve_as_local_processes(compose, models, tmp_path):
     """Each compose service's own command and environment, as a local process: NATS and the
     model path mapped to local ones, the executor twice (--scale executor=2). A request goes through."""
     svcs = compose["services"]
-    conf = tmp_path / "nats.conf"
-    conf.write_text(f"max_payload: {nats_conf(compose)['max_payload']}\n")
+    keydir = tmp_path / "secrets"
+    creds.generate(keydir)                               # what `radixflow creds deploy/secrets` writes
+    conf = keydir / "nats.conf"                          # beside auth.conf, which it includes
+    assert "include auth.conf" in compose["configs"]["nats_conf"]["content"]
+    conf.write_text(f"max_payload: {nats_conf(compose)['max_payload']}\ninclude auth.conf\n")
     nport, hport = free_port(), free_port()
     url = f"nats://127.0.0.1:{nport}"
 
@@ -111,6 +118,8 @@ def test_compose_commands_serve_as_local_processes(compose, models, tmp_path):
     auth = {"Authorization": "Bearer compose-key"}
 
     def local(x: str) -> str:
+        for role in ORDER:
+            x = x.replace(f"/run/secrets/nats_{role}", str(keydir / f"{role}.nk"))
         return (x.replace("nats://nats:4222", url).replace("/models/tiny-hybrid", models["tiny-hybrid"])
                 .replace("0.0.0.0", "127.0.0.1").replace("/run/secrets/radixflow_keys", str(keys))
                 .replace("/tmp/radixflow.alive", str(tmp_path / "alive")))
@@ -142,6 +151,13 @@ def test_compose_commands_serve_as_local_processes(compose, models, tmp_path):
                 pass
             time.sleep(1)
         assert healthy and len(executors) == 2, f"the compose layout never served with two executors: {executors}"
+        import asyncio
+        import nats
+
+        async def anonymous():
+            with pytest.raises(Exception, match="Authorization Violation"):
+                await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0)
+        asyncio.run(anonymous())                          # the compose layout's bus: keys only
         body = json.dumps({"text": "hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).encode()
         req = urllib.request.Request(base + "/generate", data=body, headers={"Content-Type": "application/json"} | auth)
         with urllib.request.urlopen(req, timeout=60) as r:
