@@ -132,9 +132,9 @@ class NatsCluster:
     """`size` nats-server nodes on loopback, each routed to the others: the distribution layer of a
     multi-host deployment, on one machine (tests)."""
 
-    def __init__(self, size: int = 3, max_payload: int | None = None):
+    def __init__(self, size: int = 3, max_payload: int | None = None, auth_conf: str = ""):
         ports = [free_port() for _ in range(size)]
-        self.nodes = [NatsServer(max_payload=max_payload, cluster_port=c, name=f"node-{i}",
+        self.nodes = [NatsServer(max_payload=max_payload, cluster_port=c, name=f"node-{i}", auth_conf=auth_conf,
                                  routes=[f"nats://127.0.0.1:{o}" for o in ports if o != c])
                       for i, c in enumerate(ports)]
 

@@ -152,6 +152,8 @@ def test_keys_file_forms(tmp_path):
     keys = Keys.load(str(toml), ("k3:gamma",))
     assert keys.principal("Bearer k1").role == "admin" and keys.principal("Bearer k2").scope == "g:g"
     assert keys.principal("Bearer k2").limits.max_concurrent == 2 and keys.principal("bearer k3").tenant == "gamma"
+    # an --api-key of a tenant the file limits takes the file's limits
+    assert Keys.load(str(toml), ("k4:beta",)).principal("Bearer k4").limits.max_concurrent == 2
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"keys": {"sk-secret": {"tenant": "a/b"}}}))
     with pytest.raises(ValueError) as e:

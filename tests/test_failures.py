@@ -210,6 +210,20 @@ def test_radixflow_up_serves_and_drains_on_sigterm(models, tmp_path, group):
                 pass
             assert time.time() < deadline, "not healthy in 90 s"
             time.sleep(0.3)
+        if not group:     # its embedded nats-server takes no anonymous client; its keys go with it
+            import asyncio
+            import re
+
+            import nats
+            log.flush()
+            text = open(tmp_path / "up.log").read()
+            url, keydir = re.search(r"embedded nats-server on (\S+) \(nkeys in (\S+)\)", text).groups()
+
+            async def anonymous():
+                with pytest.raises(Exception, match="Authorization Violation"):
+                    await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0)
+            asyncio.run(anonymous())
+            assert oct(os.stat(keydir).st_mode & 0o777) == "0o700"
         import threading
         out = {}
         body = {"text": "hello", "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
@@ -223,6 +237,8 @@ def test_radixflow_up_serves_and_drains_on_sigterm(models, tmp_path, group):
         t.join(60)
         assert out["r"].status_code == 200 and out["r"].json()["meta_info"]["completion_tokens"] == 400
         assert p.wait(30) == 0
+        if not group:
+            assert not os.path.exists(keydir)          # the run's keys are removed with it
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL) if group else p.kill()

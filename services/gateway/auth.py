@@ -94,7 +94,10 @@ class Keys:
             key, _, tenant = spec.partition(":")
             if not key:
                 raise ValueError("an --api-key is empty")
-            by_key[key] = Principal(tenant=_name(tenant or "default", "tenant"))
+            tenant = _name(tenant or "default", "tenant")
+            # a tenant the file knows keeps its limits with a key given here too
+            limits = next((p.limits for p in by_key.values() if p.tenant == tenant), None)
+            by_key[key] = Principal(tenant=tenant, limits=limits)
         _check_limits(by_key.values())
         return cls(by_key)
 
