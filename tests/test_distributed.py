@@ -89,7 +89,8 @@ def test_kill_9_the_grammar_service_with_constrained_requests_in_flight(cluster)
 
 
 def test_sigterm_drains_an_executor(cluster):
-    outs, struck = burst(cluster, lambda: cluster.signal("executor", signal.SIGTERM, index=1), max_tokens=320)
+    # long enough to be running at the signal (2 s): 320 tokens each finished in under 2 s here
+    outs, struck = burst(cluster, lambda: cluster.signal("executor", signal.SIGTERM, index=1), max_tokens=1000)
     assert min(o["t"] for o in outs) > struck, ("the streams ended before the signal: nothing was drained", [(o["end"], o["tokens"], o.get("http"), round(o["t"] - struck, 2)) for o in outs])
     assert_every_stream_ended_once(outs, struck)
     assert [o["end"] for o in outs] == ["done"] * N, [o["end"] for o in outs]
@@ -97,7 +98,7 @@ def test_sigterm_drains_an_executor(cluster):
 
 
 def test_sigterm_drains_the_scheduler(cluster):
-    outs, struck = burst(cluster, lambda: cluster.signal("scheduler", signal.SIGTERM), max_tokens=320)
+    outs, struck = burst(cluster, lambda: cluster.signal("scheduler", signal.SIGTERM), max_tokens=1000)
     assert min(o["t"] for o in outs) > struck, "the streams ended before the signal: nothing was drained"
     assert_every_stream_ended_once(outs, struck)
     assert [o["end"] for o in outs] == ["done"] * N, [o["end"] for o in outs]

@@ -94,7 +94,9 @@ class TenantLedger:
         elif share_reqs and c.inflight + other_reqs >= share_reqs:
             why = (f"tenant {tenant!r} has {c.inflight + other_reqs} requests in flight, its share of the "
                    f"server's queue")
-        elif share_toks and c.queued_tokens + other_toks + tokens > share_toks:
+        elif share_toks and c.queued_tokens + other_toks and c.queued_tokens + other_toks + tokens > share_toks:
+            # (holding nothing, any one request is admitted here: one too large to run at all is
+            # then a 400 from the context-length check, not a 429 to retry forever)
             why = (f"tenant {tenant!r} has {c.queued_tokens + other_toks} tokens in flight; {tokens} more would "
                    f"pass its share of the server's queue ({share_toks})")
         if why is not None:
