@@ -21,6 +21,11 @@ from . import subjects
 
 _ALL = ("rf.heartbeat.>",)      # every service watches the others' beats
 
+
+def inbox_prefix(role: str) -> str:
+    return f"_INBOX.{role}"
+
+
 # what each role may publish (beyond the replies to requests it received) and subscribe to
 PERMISSIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "gateway": (
@@ -33,7 +38,8 @@ PERMISSIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         (subjects.TOKENIZER_ENCODE, subjects.TOKENIZER_DETOKENIZE, subjects.TOKENIZER_INFO, subjects.GRAMMAR_COMPILE,
          subjects.RADIX_PLACE, "rf.executor.*.submit", "rf.executor.*.abort", "rf.executor.*.hints",
          "rf.executor.*.live", "rf.executor.*.replay", "rf.executor.*.ping", "rf.heartbeat.scheduler",
-         "_INBOX.*.rf.*"),      # the streams it answers into: a gateway's or a NATS client's
+         # the streams it answers into: a gateway's or a NATS client's (never another service's inbox)
+         inbox_prefix("gateway") + ".rf.*", inbox_prefix("client") + ".rf.*"),
         ("rf.scheduler.>", subjects.METRICS) + _ALL),
     "executor": (
         (subjects.RADIX_REGISTER, subjects.RADIX_ADOPT, "rf.radix.pool.*.step", subjects.GRAMMAR_FETCH,
@@ -48,10 +54,6 @@ PERMISSIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
                 subjects.TOKENIZER_DETOKENIZE), ()),
 }
 ROLES = tuple(PERMISSIONS)
-
-
-def inbox_prefix(role: str) -> str:
-    return f"_INBOX.{role}"
 
 
 def _quoted(xs) -> str:

@@ -62,7 +62,8 @@ class NatsServer:
     service waited out its drain timeout: `up` took minutes to exit). Its owner stops it last."""
 
     def __init__(self, port: int | None = None, max_payload: int | None = None, cluster_port: int | None = None,
-                 routes: list[str] | None = None, name: str = "", own_group: bool = False, auth_conf: str = ""):
+                 routes: list[str] | None = None, name: str = "", own_group: bool = False, auth_conf: str = "",
+                 tls=None):
         self.port = port or free_port()
         self.max_payload = max_payload
         self.cluster_port = cluster_port      # a node of a NATS cluster: routes to the other nodes
@@ -70,6 +71,7 @@ class NatsServer:
         self.name = name
         self.own_group = own_group
         self.auth_conf = auth_conf            # an authorization block (shared/creds.py): no anonymous clients
+        self.tls = tls                        # certs.TlsFiles: clients speak TLS, routes verify each other
         self.proc: subprocess.Popen | None = None
         self._log = None
 
@@ -79,19 +81,26 @@ class NatsServer:
 
     def start(self, timeout_s: float = 10.0) -> "NatsServer":
         args = [find_binary(), "-a", "127.0.0.1", "-p", str(self.port)]
-        if self.cluster_port:
+        text = f"max_payload: {self.max_payload}\n" if self.max_payload else ""
+        if self.cluster_port and self.tls is not None:
+            # a route's TLS has no command-line flag: the whole cluster block goes in the file
+            routes = ", ".join(f'"{r}"' for r in self.routes)
+            text += (f'cluster {{\n  name: "radixflow"\n  listen: "127.0.0.1:{self.cluster_port}"\n'
+                     f"  routes: [{routes}]\n" + self.tls.route_block() + "}\n")
+        elif self.cluster_port:
             args += ["--cluster_name", "radixflow", "--cluster", f"nats://127.0.0.1:{self.cluster_port}"]
             if self.routes:
                 args += ["--routes", ",".join(self.routes)]
+        if self.tls is not None:
+            text += self.tls.server_block()
         if self.name:
             args += ["-n", self.name]
-        if self.max_payload or self.auth_conf:
-            # written 0600 (NamedTemporaryFile's mode): it names the services' public keys only, but
-            # it is the server's whole configuration
+        text += self.auth_conf
+        if text:
+            # written 0600 (NamedTemporaryFile's mode): it names the services' public keys and the
+            # certificates' paths only, but it is the server's whole configuration
             conf = tempfile.NamedTemporaryFile("w", suffix=".conf", delete=False)
-            if self.max_payload:
-                conf.write(f"max_payload: {self.max_payload}\n")
-            conf.write(self.auth_conf)
+            conf.write(text)
             conf.close()
             args += ["-c", conf.name]
         self._log = tempfile.TemporaryFile()
@@ -132,10 +141,10 @@ class NatsCluster:
     """`size` nats-server nodes on loopback, each routed to the others: the distribution layer of a
     multi-host deployment, on one machine (tests)."""
 
-    def __init__(self, size: int = 3, max_payload: int | None = None, auth_conf: str = ""):
+    def __init__(self, size: int = 3, max_payload: int | None = None, auth_conf: str = "", tls=None):
         ports = [free_port() for _ in range(size)]
         self.nodes = [NatsServer(max_payload=max_payload, cluster_port=c, name=f"node-{i}", auth_conf=auth_conf,
-                                 routes=[f"nats://127.0.0.1:{o}" for o in ports if o != c])
+                                 tls=tls, routes=[f"nats://127.0.0.1:{o}" for o in ports if o != c])
                       for i, c in enumerate(ports)]
 
     def start(self, timeout_s: float = 10.0) -> "NatsCluster":

@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from radixflow.services.cluster import ClusterConfig
-from radixflow.shared import creds
+from radixflow.shared import certs, creds
 from radixflow.shared.natsd import NatsCluster, free_port
 
 from .faults import FAST_FAILURE_ENV, serving, assert_every_stream_ended_once, assert_idle_and_serving, burst
@@ -26,14 +26,20 @@ def keys():
 
 
 @pytest.fixture(scope="module")
-def nodes(keys):
-    # every node with the services' keys and permissions (shared/creds.py): no anonymous client
-    with NatsCluster(3, max_payload=8 * 1024 * 1024, auth_conf=keys.server_conf) as nc:
+def tls(keys):
+    return certs.generate(keys.dir)
+
+
+@pytest.fixture(scope="module")
+def nodes(keys, tls):
+    # every node with the services' keys and permissions (shared/creds.py): no anonymous client; the
+    # routes between nodes and every client over verified TLS (shared/certs.py)
+    with NatsCluster(3, max_payload=8 * 1024 * 1024, auth_conf=keys.server_conf, tls=tls) as nc:
         yield nc
 
 
 @pytest.fixture(scope="module")
-def cluster(models, nodes, keys, tmp_path_factory):
+def cluster(models, nodes, keys, tls, tmp_path_factory):
     logs = tmp_path_factory.mktemp("nats-cluster-logs")
     # host 0: the gateway, tokenizer and one executor; host 1: scheduler, grammar, radix; host 2:
     # the other executor. Each prefers its own node and fails over to the others.
@@ -41,13 +47,13 @@ def cluster(models, nodes, keys, tmp_path_factory):
                  "scheduler": nodes.url(1), "grammar": nodes.url(1), "radix": nodes.url(1),
                  "executor-1": nodes.url(2)}
     cfg = ClusterConfig(model=models["tiny-hybrid"], nats_url=nodes.url(0), placement=placement, port=free_port(),
-                        counts={"executor": 2}, log_dir=str(logs), env=FAST_FAILURE_ENV | keys.env,
+                        counts={"executor": 2}, log_dir=str(logs), env=FAST_FAILURE_ENV | keys.env | {"RADIXFLOW_BUS_TLS_CA_FILE": tls.ca},
                         args=("--max-total-tokens", "65536"))
     with serving(cfg) as c:
         yield c
 
 
-def test_requests_cross_a_three_node_nats_cluster(cluster, nodes):
+def test_requests_cross_a_three_node_nats_cluster(cluster, nodes, tls):
     # the routes are up: every node knows the other two
     assert all(n.proc.poll() is None for n in nodes.nodes)
     outs, _ = burst(cluster, n=8, max_tokens=16)
@@ -56,8 +62,10 @@ def test_requests_cross_a_three_node_nats_cluster(cluster, nodes):
     import nats
 
     async def anonymous(url):
-        with pytest.raises(Exception, match="Authorization Violation"):
-            await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0)
+        import ssl
+        with pytest.raises(Exception, match="Authorization Violation"):     # TLS, but no key
+            await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0,
+                               tls=ssl.create_default_context(cafile=tls.ca))
     for i in range(3):
         asyncio.run(anonymous(nodes.url(i).split(",")[0]))
     assert_idle_and_serving(cluster)

@@ -344,3 +344,27 @@ async def test_the_nats_client_key_serves_the_public_api(server):
         assert isinstance(items[-1], StreamChunk) and items[-1].finished and items[-1].rid == "via-nats"
     finally:
         await bus.close()
+
+
+async def test_a_stream_goes_only_to_an_inbox(server):
+    """A submitter cannot point a scheduler's stream at a service's subject (an executor's abort,
+    say): a 400 before anything runs, for requests and programs."""
+    from radixflow.shared import subjects
+    from radixflow.shared.bus import Bus
+    from radixflow.shared.config import BusConfig
+    from radixflow.shared.errors import BadRequest
+    from radixflow.shared.messages import (Accepted, GenerateRequest, ProgramAccepted, ProgramRequest,
+                                           SamplingParams)
+    bus = Bus("api-client", BusConfig(nats_url=server.nats.url, nkey_dir=server.creds.dir), role="client")
+    await bus.connect()
+    try:
+        for subject in ("rf.executor.x.abort", "_INBOX.client.>", "_INBOX.client.rf.*"):
+            with pytest.raises(BadRequest, match="stream_subject"):
+                await bus.request(subjects.SCHEDULER_SUBMIT, GenerateRequest(
+                    rid="elsewhere", stream_subject=subject, text="Hello", tenant="alpha",
+                    sampling=SamplingParams(max_new_tokens=3)), Accepted)
+        with pytest.raises(BadRequest, match="stream_subject"):
+            await bus.request(subjects.SCHEDULER_PROGRAM, ProgramRequest(
+                id="p-elsewhere", stream_subject="rf.radix.flush", nodes=[], tenant="alpha"), ProgramAccepted)
+    finally:
+        await bus.close()

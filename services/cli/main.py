@@ -153,6 +153,14 @@ def cmd_creds(a: argparse.Namespace) -> int:
     print(f"wrote {len(public)} keys ({', '.join(public)}) and auth.conf to {a.dir}\n"
           f"  nats-server: add `include auth.conf` (a copy beside its config) to its configuration\n"
           f"  services:    RADIXFLOW_BUS_NKEY_DIR={a.dir} (each takes <service>.nk; a NATS client client.nk)")
+    if a.tls:
+        from radixflow.shared import certs
+        files = certs.generate(a.dir, tuple(a.host), a.tls_server_dir)
+        print(f"wrote a CA and a node certificate to {os.path.dirname(files.ca)} (names: localhost, 127.0.0.1"
+              f"{''.join(', ' + h for h in a.host)}), tls.conf and route_tls.conf\n"
+              f"  nats-server: `include tls.conf` at the top level (clients must speak TLS) and\n"
+              f"               `include route_tls.conf` inside `cluster {{}}` (routes verify each other)\n"
+              f"  services:    RADIXFLOW_BUS_TLS_CA_FILE={files.ca}")
     return 0
 
 
@@ -330,6 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_service)
     p = sub.add_parser("creds", help="NATS credentials for a deployment: a key per service and the server's auth.conf")
     p.add_argument("dir")
+    p.add_argument("--tls", action="store_true",
+                   help="also a CA and a node certificate: TLS for clients and between a NATS cluster's nodes")
+    p.add_argument("--host", action="append", default=[],
+                   help="--tls: a name (DNS or IP) the NATS nodes are reached by (repeat; localhost always)")
+    p.add_argument("--tls-server-dir", default="",
+                   help="--tls: where nats-server reads DIR/tls's files, if elsewhere (a container's mount)")
     p.set_defaults(fn=cmd_creds)
 
     p = sub.add_parser("alive", help="health check: a service sent a heartbeat lately (RADIXFLOW_SERVICE_ALIVE_FILE)")

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from radixflow.shared import ids as ids_, subjects
+from radixflow.shared import ids as ids_, subjects, validate
 from radixflow.shared.errors import BadRequest, NotFound, RadixflowError
 from radixflow.shared.messages import (AbortRequest, CacheHints, Demote, ExecRequest, ProgramAccepted, ProgramEvent,
                                        ProgramInfo, ProgramQuery, ProgramRequest, Sample, StreamChunk, StreamError)
@@ -91,6 +91,7 @@ class ProgramDriver:
     async def submit(self, req: ProgramRequest) -> ProgramAccepted:
         if req.tenant == "" or "/" in req.tenant:
             raise BadRequest("tenant must be a non-empty name without '/'", param="tenant")
+        validate.check_stream_subject(req.stream_subject)
         key = ids_.scoped(req.tenant, req.id)
         if key in self.runs or key in self.ended:
             raise BadRequest(f"program id {req.id!r} is already in use", param="id")
