@@ -10,7 +10,8 @@ nkey, and there is no anonymous user). Each service's inbox is `_INBOX.<service>
 replies and its streams arrive there, and only it may subscribe to it); services answer requests
 through NATS's allow_responses, which lets a responder publish to the reply subject of a request it
 received and nowhere else. `radixflow up` (embedded) and `up --processes` make an ephemeral set per
-run when none is given.
+run when none is given. TLS (for clients, and between the nodes of a NATS cluster, whose routes
+nkeys do not guard) is shared/certs.py: `radixflow creds DIR --tls`.
 """
 from __future__ import annotations
 
