@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import msgspec
 import nats
 import nats.errors
 from nats.aio.msg import Msg as NatsMsg
@@ -26,7 +27,7 @@ from . import creds, log, messages, subjects
 from .config import BusConfig
 from .errors import (BadRequest, PayloadTooLarge, RadixflowError, RequestLost, RequestTimeout, ServiceUnavailable, StreamGap,
                      from_reply)
-from .messages import ErrorReply, Msg, ProgramEvent, StreamChunk, StreamError
+from .messages import ErrorReply, Msg, ProgramEvent, StreamBatch, StreamChunk, StreamError
 
 T = TypeVar("T")
 _log = log.get("bus")
@@ -67,6 +68,11 @@ class Bus:
         self.reconnects = 0
         self._up_since = 0.0
         self._reconnected: asyncio.Event | None = None
+        # coalesced stream items (StreamBatch) arrive on one subject per connection, and go to the
+        # open InboxStream each names
+        self._batches = ""
+        self._batches_lock = asyncio.Lock()
+        self._readers: dict[str, InboxStream] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -269,8 +275,32 @@ class Bus:
     async def subscribe(self, subject: str, cb: Callable[[NatsMsg], Awaitable[None]], queue: str = "") -> Subscription:
         return await self.nc.subscribe(subject, queue=queue, cb=cb)
 
-    def open_stream(self, idle_timeout_s: float | None = None) -> "InboxStream":
-        return InboxStream(self, idle_timeout_s)
+    def open_stream(self, idle_timeout_s: float | None = None, batched: bool = False) -> "InboxStream":
+        """`batched`: the stream also takes its items coalesced with other streams' (its
+        batch_subject goes in the request's stream_batch)."""
+        return InboxStream(self, idle_timeout_s, batched)
+
+    async def batch_subject(self) -> str:
+        """This connection's subject for StreamBatch messages, subscribed on first use."""
+        async with self._batches_lock:
+            if not self._batches:
+                subject = f"{self.inbox_prefix}.rf.b{secrets.token_hex(12)}"
+                await self.nc.subscribe(subject, cb=self._on_batch)
+                self._batches = subject
+        return self._batches
+
+    async def _on_batch(self, m: NatsMsg) -> None:
+        try:
+            batch = messages.decode(m.data, StreamBatch)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            _log.warning("malformed stream batch", error=str(e)[:200])
+            return
+        now = time.monotonic()
+        for subject, item in zip(batch.subjects, batch.items):
+            reader = self._readers.get(subject)
+            if reader is not None:        # else: a stream already closed (its client left)
+                reader.heard_at = now
+                reader._queue.put_nowait(item)
 
 
 def is_json(m: NatsMsg) -> bool:
@@ -294,9 +324,11 @@ class InboxStream:
     stream end with StreamGap.
     """
 
-    def __init__(self, bus: Bus, idle_timeout_s: float | None):
+    def __init__(self, bus: Bus, idle_timeout_s: float | None, batched: bool = False):
         self.bus = bus
         self.subject = f"{bus.inbox_prefix}.rf.{secrets.token_hex(12)}"   # its reader's own inbox
+        self.batched = batched
+        self.batch_subject = ""          # set on entering, when batched
         self.idle_timeout_s = idle_timeout_s
         self._queue: asyncio.Queue[bytes | Msg | BaseException] = asyncio.Queue()
         self._sub: Subscription | None = None
@@ -312,9 +344,13 @@ class InboxStream:
             self.heard_at = time.monotonic()
             self._queue.put_nowait(m.data)
         self._sub = await self.bus.subscribe(self.subject, on_msg)
+        if self.batched:
+            self.batch_subject = await self.bus.batch_subject()
+            self.bus._readers[self.subject] = self
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
+        self.bus._readers.pop(self.subject, None)
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()

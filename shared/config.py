@@ -104,6 +104,8 @@ class GatewayConfig:
     scheduler_timeout_s: float = 3.5  # no scheduler heartbeat for this long: 503 for in-flight streams
     health_timeout_s: float = 2.0
     stall_check_s: float = 5.0        # a stream silent this long: ask its scheduler whether it still runs it
+    # streams' items from one scheduler pass arrive in one message (StreamBatch) rather than one each
+    coalesce_streams: bool = True
     reuse_port: bool = False          # several gateway processes on one port (SO_REUSEPORT; `up --processes`)
     insecure: bool = False            # serve without keys on a non-loopback address (refused otherwise)
     metrics_token: str = ""           # GET /metrics with this bearer token sees every tenant's series (from the

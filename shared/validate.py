@@ -60,17 +60,17 @@ def one_constraint(json_schema: str | None = None, regex: str | None = None, ebn
     return found[0] if found else None
 
 
-def check_stream_subject(subject: str) -> None:
+def check_stream_subject(subject: str, param: str = "stream_subject") -> None:
     """A stream goes to its reader's inbox (bus.InboxStream) and nowhere else: not a service's
     subject (NATS would refuse the scheduler's publish there anyway: shared/creds.py), not a wildcard."""
     if subject and (not subject.startswith("_INBOX.") or any(c in subject for c in "*> \t\r\n")
                     or len(subject) > 256):
-        raise BadRequest("stream_subject must be an inbox subject (_INBOX.<...>, no wildcards)",
-                         param="stream_subject")
+        raise BadRequest(f"{param} must be an inbox subject (_INBOX.<...>, no wildcards)", param=param)
 
 
 def check_request(r: GenerateRequest) -> None:
     check_stream_subject(r.stream_subject)
+    check_stream_subject(r.stream_batch, "stream_batch")
     if len(r.rid) > MAX_RID or not r.rid.isprintable():
         raise BadRequest(f"rid must be at most {MAX_RID} printable characters", param="rid")
     if not r.tenant or "/" in r.tenant:

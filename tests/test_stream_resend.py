@@ -10,7 +10,7 @@ import pytest
 
 from radixflow.services.scheduler.streamlog import MAX_RESENT, StreamLog
 from radixflow.shared import recent
-from radixflow.shared.messages import StreamChunk, StreamError
+from radixflow.shared.messages import StreamBatch, StreamChunk, StreamError
 
 from radixflow.shared.natsd import NatsServer
 
@@ -37,13 +37,18 @@ async def sse(base: str, body: dict) -> tuple[int, list[dict]]:
 
 
 def lose(sched, which) -> list:
-    """Drop, once, the first stream item the scheduler publishes for which which(item) holds."""
+    """Drop, once, the first stream item the scheduler publishes for which which(item) holds (alone,
+    or out of the StreamBatch that carries it)."""
     real, dropped = sched.bus.publish, []
 
     async def lossy(subject, msg, as_json=False):
         if not dropped and isinstance(msg, (StreamChunk, StreamError)) and which(msg):
             dropped.append(msg)
             return
+        if not dropped and isinstance(msg, StreamBatch) and any(which(i) for i in msg.items):
+            k = next(k for k, i in enumerate(msg.items) if which(i))
+            dropped.append(msg.items[k])
+            msg = StreamBatch(subjects=msg.subjects[:k] + msg.subjects[k + 1:], items=msg.items[:k] + msg.items[k + 1:])
         await real(subject, msg, as_json)
     sched.bus.publish = lossy
     return dropped

@@ -2,13 +2,18 @@
 
 decode: tokens/s of decoding at given batch sizes, measured twice in one run: on the in-process
 Engine (no bus: the baseline) and through the full service path (HTTP, NATS, every service).
+`--stream`: the served requests stream (SSE, as chat clients read them), and both sides report the
+inter-token latency: the engine's time per decode step, the served side's gap between a stream's
+consecutive events (a token each), p50 and p99 over every gap of the round.
 latency: end-to-end time of a 1-token request through HTTP, beside the Engine's time for the same
 prefill, so the ratio is what the service path costs.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import time
 
 from radixflow.services.executor.engine import Engine
 from radixflow.shared.messages import ExecRequest, SamplingParams
@@ -26,23 +31,59 @@ def engine_decode(engine: Engine, batch: int, prompt_len: int, new_tokens: int) 
     for i, p in enumerate(_prompts(batch, prompt_len, seed=batch)):
         engine.add(ExecRequest(rid=f"d{batch}-{i}", input_ids=p, eos_token_ids=[],
                                sampling=SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)))
+    gaps = []
     with Timer() as total:
         engine.step()                          # prefill of every row (max_prefill_tokens covers them)
         produced = batch
         with Timer() as dec:
             while engine.has_work():
+                t0 = time.perf_counter()
                 produced += sum(len(o.token_ids) for _, o in engine.step())
+                gaps.append(time.perf_counter() - t0)
     decode_tokens = produced - batch
-    return {"decode_tok_s": decode_tokens / dec.s, "total_tok_s": produced / total.s, "tokens": produced}
+    return {"decode_tok_s": decode_tokens / dec.s, "total_tok_s": produced / total.s, "tokens": produced,
+            "gaps": gaps}
 
 
-async def served_decode(http, base: str, batch: int, prompt_len: int, new_tokens: int) -> dict:
-    bodies = [{"input_ids": p, "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
-              for p in _prompts(batch, prompt_len, seed=batch)]
+async def served_decode(http, base: str, batch: int, prompt_len: int, new_tokens: int, stream: bool = False) -> dict:
+    bodies = [{"input_ids": p, "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True},
+               "stream": stream} for p in _prompts(batch, prompt_len, seed=batch)]
     with Timer() as t:
-        outs = await asyncio.gather(*(generate(http, base, b) for b in bodies))
+        outs = await asyncio.gather(*((streamed if stream else generate)(http, base, b) for b in bodies))
     produced = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    return {"total_tok_s": produced / t.s, "tokens": produced}
+    return {"total_tok_s": produced / t.s, "tokens": produced, "gaps": [g for o in outs for g in o.get("gaps", [])],
+            "output_ids": [o.get("output_ids") for o in outs]}
+
+
+async def streamed(http, base: str, body: dict) -> dict:
+    """POST /generate with stream: the last event's body, with `gaps` (seconds between consecutive
+    events after the first) and `output_ids` (every event's new tokens, in order)."""
+    last, gaps, ids, at = None, [], [], None
+    async with http.post(base + "/generate", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"/generate {r.status}: {await r.text()}")
+        async for line in r.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            now = time.perf_counter()
+            out = json.loads(line[6:])
+            if "error" in out:
+                raise RuntimeError(f"/generate stream: {out['error']}")
+            got = out["meta_info"]["completion_tokens"] - (last["meta_info"]["completion_tokens"] if last else 0)
+            if got and at is not None:
+                gaps.append(now - at)
+            if got:
+                at = now
+            ids += out.get("output_ids", [])[len(ids):]
+            last = out
+    return last | {"gaps": gaps, "output_ids": ids}
+
+
+def _ms(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return round(1e3 * xs[min(len(xs) - 1, int(q * len(xs)))], 2)
 
 
 def engine_latency(engine: Engine, prompt: list[int], rid: str) -> float:
@@ -55,7 +96,8 @@ def engine_latency(engine: Engine, prompt: list[int], rid: str) -> float:
     return t.s
 
 
-def run_decode(model: str, batches: list[int], prompt_len: int, new_tokens: int, rounds: int = 3) -> dict:
+def run_decode(model: str, batches: list[int], prompt_len: int, new_tokens: int, rounds: int = 3,
+               stream: bool = False, **overrides) -> dict:
     """Each batch size on the Engine (in a process of its own: common.EngineHost) and through the
     service path, in interleaved rounds (median of each), so a machine that speeds up or slows down
     meanwhile skews neither side."""
@@ -66,13 +108,13 @@ def run_decode(model: str, batches: list[int], prompt_len: int, new_tokens: int,
             loop = asyncio.get_running_loop()
             eng = {b: [] for b in batches}
             srv = {b: [] for b in batches}
-            async with served(model, ex_max_running_requests=max(batches)) as (_, http, base):
-                await served_decode(http, base, 2, prompt_len, 8)
+            async with served(model, ex_max_running_requests=max(batches), **overrides) as (_, http, base):
+                await served_decode(http, base, 2, prompt_len, 8, stream)
                 for _ in range(rounds):
                     for b in batches:
                         eng[b].append(await loop.run_in_executor(None, host.call, "engine_decode", b, prompt_len,
                                                                  new_tokens))
-                        srv[b].append(await served_decode(http, base, b, prompt_len, new_tokens))
+                        srv[b].append(await served_decode(http, base, b, prompt_len, new_tokens, stream))
             return eng, srv
         eng, srv = asyncio.run(both())
     rows = []
@@ -80,9 +122,16 @@ def run_decode(model: str, batches: list[int], prompt_len: int, new_tokens: int,
         e_dec = median([x["decode_tok_s"] for x in eng[b]])
         e_tot = median([x["total_tok_s"] for x in eng[b]])
         s_tot = median([x["total_tok_s"] for x in srv[b]])
-        rows.append({"batch": b, "engine_decode_tok_s": round(e_dec, 1), "engine_total_tok_s": round(e_tot, 1),
-                     "served_total_tok_s": round(s_tot, 1), "served_vs_engine": round(s_tot / e_tot, 3)})
-    return {"model": model, "prompt_len": prompt_len, "new_tokens": new_tokens, "rounds": rounds, "rows": rows}
+        row = {"batch": b, "engine_decode_tok_s": round(e_dec, 1), "engine_total_tok_s": round(e_tot, 1),
+               "served_total_tok_s": round(s_tot, 1), "served_vs_engine": round(s_tot / e_tot, 3)}
+        if stream:
+            eg, sg = [g for x in eng[b] for g in x["gaps"]], [g for x in srv[b] for g in x["gaps"]]
+            row |= {"engine_itl_p50_ms": _ms(eg, 0.5), "engine_itl_p99_ms": _ms(eg, 0.99),
+                    "served_itl_p50_ms": _ms(sg, 0.5), "served_itl_p99_ms": _ms(sg, 0.99),
+                    "itl_p99_served_over_engine": round(_ms(sg, 0.99) / _ms(eg, 0.99), 3)}
+        rows.append(row)
+    return {"model": model, "prompt_len": prompt_len, "new_tokens": new_tokens, "rounds": rounds, "stream": stream,
+            "rows": rows}
 
 
 WARM = 5

@@ -256,7 +256,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         if a.which not in ("program", "sampler", "kernels", "evict") else None
     if a.which == "decode":
         from radixflow.services.bench.decode import run_decode
-        out = run_decode(model, [int(b) for b in a.batch.split(",")], a.prompt_len, a.new_tokens)
+        out = run_decode(model, [int(b) for b in a.batch.split(",")], a.prompt_len, a.new_tokens, stream=a.stream)
     elif a.which == "latency":
         from radixflow.services.bench.decode import run_latency
         out = run_latency(model, a.prompt_len, a.repeats or 60)
@@ -400,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preambles", type=int, default=4, help="routing: distinct agent preambles")
     p.add_argument("--calls", type=int, default=16, help="routing: calls per preamble in each of two waves")
     p.add_argument("--batch", default="1,16", help="decode: comma-separated batch sizes")
+    p.add_argument("--stream", action="store_true",
+                   help="decode: the served requests stream (SSE); both sides report inter-token latency")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=None,

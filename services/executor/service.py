@@ -19,6 +19,8 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
+
 from radixflow.shared import subjects
 from radixflow.shared.actor import Actor
 from radixflow.shared.bus import Bus
@@ -191,11 +193,16 @@ class ExecutorService(Actor):
 
     async def _publisher(self) -> None:
         while True:
-            outs = await self._outbox.get()
+            outs, taken = await self._outbox.get(), 1
+            # steps that came while the loop was busy go out together (a request's tokens of them
+            # as one output): a loop behind the compute sends fewer messages, not a backlog
+            while not self._outbox.empty():
+                outs, taken = outs + self._outbox.get_nowait(), taken + 1
             try:
-                await self._publish(outs)
+                await self._publish(merged(outs) if taken > 1 else outs)
             finally:
-                self._outbox.task_done()
+                for _ in range(taken):
+                    self._outbox.task_done()
 
     async def live(self, q: LiveQuery) -> LiveReply:
         """The asked requests this executor still has, or whose end it published moments ago (that
@@ -285,3 +292,22 @@ class ExecutorService(Actor):
                  "running", "waiting")
         return [Sample(name=n if n.endswith("_total") else f"requests_{n}", value=st[n]) for n in names] \
             + [x for h in (*self.engine.step_seconds.values(), self.engine.queue_seconds) for x in h.samples()]
+
+
+def merged(outs: list[tuple[str, SeqOutput]]) -> list[tuple[str, SeqOutput]]:
+    """Several steps' outputs with each request's consecutive ones joined into one: its tokens (and
+    their logprobs) in order from the first one's offset, the rest as the last one says."""
+    out: list[tuple[str, SeqOutput]] = []
+    at: dict[str, int] = {}
+    for subject, o in outs:
+        i = at.get(o.rid)
+        if i is None or out[i][0] != subject or out[i][1].finished \
+                or out[i][1].offset + len(out[i][1].token_ids) != o.offset:
+            at[o.rid] = len(out)
+            out.append((subject, o))
+            continue
+        a = out[i][1]
+        out[i] = (subject, msgspec.structs.replace(
+            o, token_ids=a.token_ids + o.token_ids, offset=a.offset, logprobs=a.logprobs + o.logprobs,
+            top_logprobs=a.top_logprobs + o.top_logprobs))
+    return out

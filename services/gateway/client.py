@@ -93,8 +93,9 @@ class Result:
 
 class EngineClient:
     def __init__(self, bus: Bus, scheduler_timeout_s: float, request_timeout_s: float = 960.0,
-                 stall_check_s: float = 5.0, origin: str = ""):
+                 stall_check_s: float = 5.0, origin: str = "", coalesce: bool = True):
         self.bus = bus
+        self.coalesce = coalesce      # its streams take StreamBatch messages (one per scheduler pass)
         self.origin = origin          # this gateway's instance: schedulers drop its requests once it stops beating
         self.stall_check_s = stall_check_s
         self.scheduler_timeout_s = scheduler_timeout_s
@@ -198,8 +199,11 @@ class EngineClient:
         its terminal item; the owning scheduler is watched while it runs. `key` is the request's id
         scoped by its tenant (shared/ids.py)."""
         done = False
-        async with self.bus.open_stream(idle_timeout_s=self.request_timeout_s) as stream:
+        batched = self.coalesce and isinstance(req, GenerateRequest)
+        async with self.bus.open_stream(idle_timeout_s=self.request_timeout_s, batched=batched) as stream:
             req.stream_subject, req.origin = stream.subject, self.origin
+            if batched:
+                req.stream_batch = stream.batch_subject
             try:
                 acc = await self.bus.request(subject, req, accepted, timeout=timeout)
             except (RequestTimeout, RequestLost):

@@ -41,7 +41,7 @@ class GatewayService(Actor):
         super().__init__(bus, service_config)
         self.cfg = config
         self.client = EngineClient(bus, config.scheduler_timeout_s, request_timeout_s, config.stall_check_s,
-                                   origin=self.instance)
+                                   origin=self.instance, coalesce=config.coalesce_streams)
         self.app = make_app(bus, self.client, config)
         if not self.app[KEYS] and not config.insecure and not loopback(config.host):
             raise ValueError(f"refusing to serve without API keys on {config.host!r}, which is not a loopback "

@@ -2,9 +2,9 @@
 An error after the stream has started is an event in OpenAI's error shape (the status is already 200)."""
 from __future__ import annotations
 
-import json
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from radixflow.shared.errors import RadixflowError
@@ -12,6 +12,9 @@ from radixflow.shared.errors import RadixflowError
 
 def error_body(e: RadixflowError) -> dict:
     return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}
+
+
+_encode = msgspec.json.Encoder().encode
 
 
 class SSE:
@@ -26,7 +29,9 @@ class SSE:
         return cls(resp)
 
     async def send(self, obj: Any) -> None:
-        data = obj if isinstance(obj, bytes) else json.dumps(obj, ensure_ascii=False).encode()
+        # msgspec: a tenth of json.dumps's time, on every event of every stream (and a non-finite
+        # float becomes null, valid JSON, where json.dumps wrote NaN)
+        data = obj if isinstance(obj, bytes) else _encode(obj)
         await self.resp.write(b"data: " + data + b"\n\n")
 
     async def error(self, e: RadixflowError) -> None:

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from radixflow.shared import ids as ids_, log, subjects
-from radixflow.shared.errors import RadixflowError
+from radixflow.shared.errors import PayloadTooLarge, RadixflowError
 from radixflow.shared.messages import (AbortRequest, DetokItem, ExecAccepted, Resend, Resent, SeqOutput, StepOutput,
-                                       StreamChunk, StreamError, Usage)
+                                       StreamBatch, StreamChunk, StreamError, Usage)
 
 from .stops import StopMatcher
 from .table import Tracked
@@ -29,8 +29,34 @@ else:
     _Base = object
 
 
+# steps taken in before their text is made (while more are waiting): bounds how long a loop that
+# fell behind holds items back
+MAX_ABSORBED = 16
+
+
 class OutputPath(_Base):
     async def on_output(self, step: StepOutput) -> None:
+        """Take one executor step in (its tokens onto each request), then, unless more steps are
+        already waiting, make the text and the stream items of everything taken in since the last
+        time: a loop that falls behind sends fewer, larger items instead of a backlog of small ones.
+        Every item of one pass to the same reader goes in one message (StreamBatch)."""
+        await self._absorb(step)
+        if self.queued(self.output_subject) and self._absorbed < MAX_ABSORBED:
+            self._absorbed += 1
+            return
+        self._absorbed = 0
+        pending, self._unsent = self._unsent, {}
+        live = [(t, o) for t, o in pending.values() if self.table.get(t.rid) is t and not t.stopping]
+        if not live:
+            return
+        self._outbox = {}
+        try:
+            await self._emit(live)
+        finally:
+            outbox, self._outbox = self._outbox, None
+            await self._flush(outbox)
+
+    async def _absorb(self, step: StepOutput) -> None:
         # only the executor that runs a request now speaks for it: one it moved away from (recovery.py)
         # or one that never had it is not heard
         live = [(t, o) for o in step.outputs if (t := self.table.get(o.rid)) is not None and not t.stopping
@@ -61,10 +87,12 @@ class OutputPath(_Base):
             t.top_logprobs.extend(o.top_logprobs)
             if o.input_logprobs:
                 t.input_logprobs, t.input_top_logprobs = o.input_logprobs, o.input_top_logprobs
-        # a non-streaming request without stop strings is detokenized once, when it ends
-        live = [(t, o) for t, o in live if t.incremental or o.finished]
-        if not live:
-            return
+            # a non-streaming request without stop strings is detokenized once, when it ends; the
+            # latest output of each request says whether it ended (the earlier ones did not)
+            if t.incremental or o.finished:
+                self._unsent[t.rid] = (t, o)
+
+    async def _emit(self, live: list[tuple[Tracked, SeqOutput]]) -> None:
         try:
             done = await self.detok.run([
                 DetokItem(ids=t.output_ids[t.prefix_offset:], prefix_offset=t.prefix_offset, read_offset=t.read_offset,
@@ -129,16 +157,44 @@ class OutputPath(_Base):
         if t.sink is not None:
             await t.sink(item)
             return
-        await self.publish_stream(t.stream_subject, t.rid, item, t.json)
+        await self.publish_stream(t.stream_subject, t.rid, item, t.json, t.batch)
 
-    async def publish_stream(self, subject: str, rid: str, item: StreamChunk | StreamError, as_json: bool) -> bool:
+    async def publish_stream(self, subject: str, rid: str, item: StreamChunk | StreamError, as_json: bool,
+                             batch: str = "") -> bool:
         """Send one stream item; False when it could not be sent. An unsendable end of a choice
-        (an oversize last chunk) becomes the stream's terminal StreamError in its place."""
+        (an oversize last chunk) becomes the stream's terminal StreamError in its place. Within an
+        output pass, an item whose reader takes batches waits in the outbox for the pass's end."""
         terminal = isinstance(item, StreamError) or item.finished
         if terminal:
             self.ended.add(rid)
         item.rid = ids_.unscoped(item.rid)         # the caller's own id (ours is scoped by its tenant)
         self.streams.record(subject, item, terminal)
+        if batch and not as_json and self._outbox is not None:
+            self._outbox.setdefault(batch, []).append((subject, rid, item))
+            return True
+        return await self._publish_item(subject, rid, item, as_json)
+
+    async def _flush(self, outbox: dict[str, list] | None) -> None:
+        """One StreamBatch per reader; one too large for a message goes in halves, and a batch that
+        cannot be sent at all goes item by item (each then fails on its own)."""
+        for batch, entries in (outbox or {}).items():
+            await self._send_batch(batch, entries)
+
+    async def _send_batch(self, batch: str, entries: list) -> None:
+        try:
+            await self.bus.publish(batch, StreamBatch(subjects=[e[0] for e in entries], items=[e[2] for e in entries]))
+        except PayloadTooLarge:
+            if len(entries) == 1:
+                await self._publish_item(*entries[0], False)
+                return
+            half = len(entries) // 2
+            await self._send_batch(batch, entries[:half])
+            await self._send_batch(batch, entries[half:])
+        except RadixflowError:
+            for subject, rid, item in entries:
+                await self._publish_item(subject, rid, item, False)
+
+    async def _publish_item(self, subject: str, rid: str, item: StreamChunk | StreamError, as_json: bool) -> bool:
         try:
             await self.bus.publish(subject, item, as_json)
             return True

@@ -64,6 +64,11 @@ class SchedulerService(OutputPath, Actor):
         self.resampled_total = 0                    # structured outputs sampled again after a failed check
         self.checks = Checks()                      # the final output checks, off the event loop
         self._checking: set[asyncio.Task] = set()   # requests whose end waits for their check (output.py)
+        # output.py's pass: outputs taken in and not yet sent, steps taken in since the last pass,
+        # and the items of the pass under way, by the reader's StreamBatch subject
+        self._unsent: dict[str, tuple] = {}
+        self._absorbed = 0
+        self._outbox: dict[str, list] | None = None
         self.tenants = TenantLedger(share=config.tenant_share, capacity=(config.max_queued_requests,
                                                                        config.max_queued_tokens))
         self.router = Router(config.routing, config.route_load_tokens)
@@ -253,7 +258,7 @@ class SchedulerService(OutputPath, Actor):
                 await self.dispatch(ex, exec_req, Tracked(
                     rid=req.rid, stream_subject=req.stream_subject, executor=ex.instance, prompt_tokens=len(ids),
                     sampling=req.sampling, deadline=deadline, stream=req.stream, check=check, ticket=ticket,
-                    json=req.json_stream, origin=req.origin,
+                    json=req.json_stream, origin=req.origin, batch=req.stream_batch,
                     prompt_ids=ids[start:] if start >= 0 else []), reserved=True, burst=burst)
             else:
                 await self._fan_out(ex, req, exec_req, check, deadline, ticket)
@@ -271,7 +276,7 @@ class SchedulerService(OutputPath, Actor):
             raise BadRequest(f"request id {ids_.unscoped(req.rid)!r} is already in flight", param="rid")
         self._check_fits(ex, exec_req)     # the children's budget, before the parent's prefill runs for nothing
         group = Siblings(self, req.rid, req.stream_subject, req.n, req.json_stream,
-                         needs_parent=exec_req.logprob_start >= 0)
+                         needs_parent=exec_req.logprob_start >= 0, batch=req.stream_batch)
         ids = exec_req.input_ids
         parent_sampling = msgspec.structs.replace(req.sampling, max_new_tokens=0, logprobs=False)
         await self.dispatch(ex, msgspec.structs.replace(exec_req, sampling=parent_sampling, grammar_key=None), Tracked(

@@ -26,8 +26,9 @@ def child_rid(rid: str, index: int) -> str:
 
 class Siblings:
     def __init__(self, sched: "SchedulerService", rid: str, subject: str, n: int, as_json: bool = False,
-                 needs_parent: bool = False):
+                 needs_parent: bool = False, batch: str = ""):
         self.sched, self.rid, self.subject, self.n, self.json = sched, rid, subject, n, as_json
+        self.batch = batch                       # the reader's StreamBatch subject ("": item by item)
         self.needs_parent = needs_parent         # the parent returns the prompt logprobs: its failure is ours
         self.remaining = n
         self.seq = 0
@@ -85,4 +86,4 @@ class Siblings:
         await self.sched.abort_rids([r for r in [self.rid] + self.children if r != but])
 
     async def _publish(self, item: StreamChunk | StreamError) -> bool:
-        return await self.sched.publish_stream(self.subject, self.rid, item, self.json)
+        return await self.sched.publish_stream(self.subject, self.rid, item, self.json, self.batch)

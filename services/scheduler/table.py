@@ -63,6 +63,7 @@ class Tracked:
     heard_at: float = field(default_factory=time.monotonic)   # its latest output of any kind, or its dispatch
     probed_at: float = 0.0        # when its executor was last asked whether it still runs it
     origin: str = ""              # the gateway waiting for it ("": a NATS client; recovery.py)
+    batch: str = ""               # its reader's StreamBatch subject ("": its items one by one)
 
     def __post_init__(self) -> None:
         self.stops = StopMatcher(self.sampling.stop)

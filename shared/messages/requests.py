@@ -79,6 +79,9 @@ class GenerateRequest(Msg):
     n: int = 1                        # > 1: n completions of one prompt (prefilled once), chunks carry `index`
     json_stream: bool = False         # stream items in JSON (set when the request itself came as JSON)
     origin: str = ""                  # the gateway instance that waits for it: its beats stop, the request ends
+    # where its stream items may come coalesced with other streams' (StreamBatch): one message per
+    # scheduler step for every stream the caller reads there ("": one message per item)
+    stream_batch: str = ""
 
 
 class Accepted(Msg):
@@ -131,6 +134,13 @@ class StreamError(Msg):
     code: int
     kind: str
     message: str
+
+
+class StreamBatch(Msg):
+    """Stream items of one scheduler step for one reader, coalesced: items[i] belongs to the stream
+    subjects[i] (a reader's InboxStream), in the order they were sent."""
+    subjects: list[str]
+    items: list[StreamChunk | StreamError]
 
 
 # ---------------------------------------------------------------- tokenizer
