@@ -54,6 +54,16 @@ async def _quietly(aw: Awaitable[Any]) -> None:
             raise
 
 
+async def registered(nc: nats.NATS) -> None:
+    """Returns once the server holds every subscription `nc` has made, so that another connection's
+    publish finds them. One flush does not promise it: nats-py writes a flush's PING straight to the
+    socket, ahead of a SUB still queued for its flusher task, and the PONG can come back before the
+    SUB is read (a test's request then got "no responders" on a loaded CI machine). The first flush
+    lets the flusher write what is queued; the second PING follows it on the wire."""
+    await nc.flush()
+    await nc.flush()
+
+
 class Bus:
     def __init__(self, name: str, config: BusConfig, role: str = ""):
         self.name = name

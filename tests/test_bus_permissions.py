@@ -11,6 +11,7 @@ import nats
 import pytest
 
 from radixflow.shared import creds, subjects as S
+from radixflow.shared.bus import registered
 from radixflow.shared.natsd import NatsServer
 
 ROLES = creds.ROLES
@@ -140,7 +141,7 @@ async def test_a_reply_goes_only_to_the_requester(bus):
         async def answer(msg):
             await msg.respond(b"tokens")
         await tok.subscribe(S.TOKENIZER_ENCODE, cb=answer)
-        await tok.flush()
+        await registered(tok)
         reply = await gw.request(S.TOKENIZER_ENCODE, b"text", timeout=5)
         assert reply.data == b"tokens"
         heard = []
@@ -148,7 +149,7 @@ async def test_a_reply_goes_only_to_the_requester(bus):
         async def hear(msg):
             heard.append(msg)
         sub = await gw.subscribe(f"{creds.inbox_prefix('gateway')}.rf.x", cb=hear)
-        await gw.flush()
+        await registered(gw)
         await tok.publish(f"{creds.inbox_prefix('gateway')}.rf.x", b"forged")
         await tok.flush()
         await asyncio.sleep(0.3)

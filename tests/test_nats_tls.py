@@ -12,7 +12,7 @@ import nats
 import pytest
 
 from radixflow.shared import certs, creds, subjects
-from radixflow.shared.bus import Bus
+from radixflow.shared.bus import Bus, registered
 from radixflow.shared.config import BusConfig
 from radixflow.shared.natsd import NatsCluster, NatsServer, free_port
 
@@ -62,7 +62,7 @@ async def crosses(sub_url, pub_url, keys, tls_ca, timeout_s=10.0) -> bool:
         async def on(msg):
             heard.set()
         await sched.subscribe(subjects.SCHEDULER_SUBMIT, cb=on)
-        await sched.flush()
+        await registered(sched)
         deadline = asyncio.get_running_loop().time() + timeout_s
         while asyncio.get_running_loop().time() < deadline:
             await gw.publish(subjects.SCHEDULER_SUBMIT, b"{}")
@@ -111,7 +111,7 @@ async def test_a_node_without_the_deployments_certificate_cannot_join(nodes, key
             async def on(msg):
                 heard.append(msg.subject)
             await spy.subscribe(">", cb=on)
-            await spy.flush()
+            await registered(spy)
             gw = await connect(nodes.nodes[0].url, keys.dir, "gateway", tls.ca)
             try:
                 for _ in range(10):           # over 2 s: time for a route to form, if it could
