@@ -188,3 +188,28 @@ async def test_a_restarted_radix_service_takes_back_what_is_held_in_parts(models
             await radix.stop()
             await bus.close()
             await rbus.close()
+
+
+async def test_an_idle_executor_whose_pool_was_dropped_registers_again(models):
+    """The radix service drops a pool whose executor's beats are late (a loaded start: the compose
+    layout's test met it, two executors starting on 2 cores). The executor, idle, hears from the
+    radix service's own beats that its pool is not held and registers again; requests are served."""
+    import asyncio
+    from . import stacks
+    st = await stacks.start(models["tiny-dense"])
+    try:
+        radix, ex = st.actors["radix"], st.actors["executor"]
+        assert ex.instance in radix.pools
+        radix.pools.pop(ex.instance)                  # what the reaper does to a pool gone silent
+        radix.seen.pop(ex.instance, None)
+        for _ in range(100):
+            if ex.instance in radix.pools:
+                break
+            await asyncio.sleep(0.1)
+        assert ex.instance in radix.pools, "the executor never registered its pool again"
+        body = {"input_ids": prompt(5, 40), "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+        async with st.http.post(st.base + "/generate", json=body) as r:
+            assert r.status == 200, await r.text()
+            assert len((await r.json())["output_ids"]) == 3
+    finally:
+        await stacks.stop(st)

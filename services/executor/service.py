@@ -230,8 +230,11 @@ class ExecutorService(Actor):
         return MemoryReply(instance=self.instance, model=self.model_name, report=realized(r.spec, r.plan))
 
     async def on_radix_heartbeat(self, hb: Heartbeat) -> None:
-        """A new radix instance (a restart) knows no pool: exchange with it now, idle or not."""
-        if self._radix is not None and hb.instance != self._radix and self.engine is not None:
+        """A new radix instance (a restart) knows no pool, and one that dropped ours (our beats were
+        late) does not list it: exchange with it now, idle or not (NotFound, then a new register)."""
+        restarted = self._radix is not None and hb.instance != self._radix
+        forgot = "pools" in hb.detail and self.instance not in hb.detail["pools"]
+        if (restarted or forgot) and self.engine is not None:
             self.engine.sync()
             self._wake.set()
         self._radix = hb.instance

@@ -96,6 +96,11 @@ class RadixService(Actor):
     def status(self) -> dict:
         return {"pools": {name: pool.stats() for name, pool in self.pools.items()}}
 
+    def heartbeat_detail(self) -> dict:
+        # the pools held: an executor whose pool was dropped (its beats late, as under a loaded
+        # start) registers again when it hears it is not among them, idle or not
+        return {"pools": sorted(self.pools)}
+
     def metrics(self) -> list[Sample]:
         out = []
         for name, pool in self.pools.items():
