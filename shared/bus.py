@@ -398,7 +398,13 @@ class InboxStream:
             raise StopAsyncIteration
         while (out := self._ahead.pop(self._next_seq, None)) is None:
             try:
-                item = await asyncio.wait_for(self._queue.get(), self.idle_timeout_s)
+                if not self._queue.empty():
+                    item = self._queue.get_nowait()
+                else:
+                    # asyncio.timeout, not wait_for: wait_for wraps the get in a task of its own,
+                    # on every item of every stream
+                    async with asyncio.timeout(self.idle_timeout_s):
+                        item = await self._queue.get()
             except asyncio.TimeoutError:
                 self._done = True
                 raise RequestTimeout(f"stream {self.subject} silent for {self.idle_timeout_s:g}s") from None

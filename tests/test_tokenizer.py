@@ -163,3 +163,17 @@ def test_batch_matches_single(tok):
         out = [o + d for o, (d, _, _) in zip(out, batch)]
     assert out == [tok.decode(s) for s in seqs]
     assert tok.detokenize_batch([]) == []
+
+
+def test_decode_through_the_rust_tokenizer_equals_transformers(tok):
+    """Tokenizer.decode skips transformers' wrapper where it changes nothing: the text is the same
+    for any ids, special tokens among them, skipping them or not."""
+    import random
+    assert tok._raw is not None          # the fast path is the one taken for this tokenizer
+    rng = random.Random(3)
+    n = tok.vocab_size
+    for _ in range(500):
+        ids = [rng.randrange(n) for _ in range(rng.randrange(0, 12))] + rng.sample(sorted(tok.special_ids), 1)
+        rng.shuffle(ids)
+        for skip in (True, False):
+            assert tok.decode(ids, skip) == tok.hf.decode(ids, skip_special_tokens=skip)

@@ -26,6 +26,7 @@ class Tokenizer:
             int(i) for i, tok in self._tok.added_tokens_decoder.items() if getattr(tok, "special", False)
         ) | frozenset(self._tok.all_special_ids)
         self._identity = self._compute_identity()
+        self._raw = _raw_decoder(self._tok)
 
     # ----------------------------------------------------------------- metadata
 
@@ -96,6 +97,8 @@ class Tokenizer:
         return self.encode(self.render_chat(messages, add_generation_prompt, **template_kwargs))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self._raw is not None:
+            return self._raw.decode(ids if isinstance(ids, list) else list(ids), skip_special_tokens=skip_special_tokens)
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # ----------------------------------------------------------------- incremental detokenization
@@ -149,6 +152,23 @@ class Tokenizer:
             _advance(texts[2 * k], texts[2 * k + 1], p, r, len(ids), flush)
             for k, (ids, p, r) in enumerate(items)
         ]
+
+
+def _raw_decoder(tok: Any) -> Any:
+    """The Rust tokenizer under a transformers fast tokenizer, where decoding through it gives the
+    same text: transformers' decode adds only argument handling around it (and a space cleanup, when
+    configured, that this then leaves to transformers). Every streamed step decodes each request's
+    window twice, and the wrapper cost more than the decode itself."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    raw = getattr(tok, "_tokenizer", None)
+    if raw is None or not isinstance(tok, TokenizersBackend) or getattr(tok, "clean_up_tokenization_spaces", False):
+        return None
+    if type(tok)._decode is not TokenizersBackend._decode or type(tok).decode is not TokenizersBackend.decode:
+        return None          # a tokenizer class of its own decodes its own way
+    return raw
 
 
 def _advance(
