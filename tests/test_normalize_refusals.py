@@ -62,9 +62,19 @@ def test_conditional_blowup_is_bounded():
 @pytest.mark.parametrize("schema,construct", [
     ({"type": "object", "properties": {"p": {"$ref": "https://example.com/p.json"}}}, "'$ref' at $.properties.p"),
     ({"$dynamicAnchor": "n", "type": "object", "properties": {"c": {"$dynamicRef": "#n"}}}, "'$dynamicRef'"),
-    ({"type": "object", "properties": {"a": {"$id": "https://x/a", "type": "string"}}}, "'$id'"),
+    ({"type": "object", "properties": {"a": {"$ref": "https://x/b.json"}},
+      "$defs": {"a": {"$id": "https://x/a.json", "type": "string"}}}, "'$ref' at $.properties.a"),
     ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, "does not resolve"),
 ])
 def test_unservable_references_are_400(schema, construct):
     with pytest.raises(BadRequest, match=construct.replace("$", r"\$").replace(".", r"\.")):
+        prepare(schema)
+
+
+def test_a_value_that_is_not_a_schema_is_400_naming_it():
+    """Under a keyword no metaschema looks into, reached by a $ref (pymisp keeps its definitions
+    under `defs`): a property whose "schema" is a list is a 400 naming the path, not a crash."""
+    schema = {"type": "object", "properties": {"g": {"$ref": "#/defs/group"}},
+              "defs": {"group": {"type": "object", "properties": {"uuid": {"type": "string"}, "required": ["uuid"]}}}}
+    with pytest.raises(BadRequest, match=r"list \['uuid'\] at \$\.defs\.group\.properties\.required"):
         prepare(schema)

@@ -34,7 +34,7 @@ from .keys import BACKENDS, Canonical, canonicalize, grammar_key
 from . import drafts
 from .lint import bounded_formats, prepare, widen_for_llguidance
 from .merge import Unsupported
-from .normalize import normalize
+from .resources import for_engines
 from .tokenizer_info import tokenizer_identity
 from .pool import WorkerPool
 from .worker import CompileTimeout, Result, Worker, WorkerDied
@@ -52,6 +52,7 @@ _VALIDATED_WARNINGS = ("oneOf with overlapping", "pattern combined with minLengt
 # auto: JSON schemas longer than this go to llguidance first (see Compiler._auto)
 AUTO_MAX_SCHEMA_BYTES = 32 << 10
 TOO_LARGE = "schema too large"     # llguidance's refusal of a schema past its node limit
+SIBLINGS = "circular references with sibling keys"   # llguidance: a recursive $ref with keywords beside it
 # auto: an xgrammar job still running this long after a worker took it leaves the request to
 # llguidance. Half the 1 s compile target: what the cost model (cost.py) wrongly lets through then
 # costs the request this, the lint and an llguidance compile (milliseconds), still under 1 s.
@@ -312,11 +313,17 @@ class Compiler:
             except BadRequest as e:
                 raise _SchemaRefused(e.message, param=e.param) from None
             text = json.dumps(prepared, separators=(",", ":"), ensure_ascii=False)
-        elif canon.kind == "json_schema" and not checked:
-            try:
-                await loop.run_in_executor(self._threads, _budgeted, drafts.check, canon.value)
-            except BadRequest as e:      # invalid: final for auto's xgrammar try too
-                raise _SchemaRefused(e.message, param=e.param) from None
+        elif canon.kind == "json_schema":
+            if not checked:
+                try:
+                    await loop.run_in_executor(self._threads, _budgeted, drafts.check, canon.value)
+                except BadRequest as e:      # invalid: final for auto's xgrammar try too
+                    raise _SchemaRefused(e.message, param=e.param) from None
+            # references into embedded resources as local pointers, and no root $id they do not
+            # need: llguidance resolves a $ref against an $id only when it has no fragment
+            local = for_engines(canon.value, drafts.id_keyword(canon.value))
+            if local is not canon.value:
+                text = json.dumps(local, separators=(",", ":"), ensure_ascii=False)
         started_once = False
 
         async def run(job_text: str) -> Result:
@@ -328,16 +335,22 @@ class Compiler:
             return await self._run(worker, canon.kind, key, backend, job_text, budgeted)
 
         result = await run(text)
-        if result[0] == "error" and backend == "llguidance" and canon.kind == "json_schema" and TOO_LARGE in result[1]:
+        if result[0] == "error" and backend == "llguidance" and canon.kind == "json_schema" and \
+                any(why in result[1] for why in (TOO_LARGE, SIBLINGS)):
             # llguidance expands a schema into at most 50,000 nodes, and a sibling distributed into a
-            # large anyOf at every use (a CI config's hundreds of tasks) passes that; normalized
-            # (same meaning: allOf merged, enum-only branches joined, repeats shared as $defs) it fits
+            # large anyOf at every use (a CI config's hundreds of tasks) passes that; it refuses a
+            # recursive $ref with keywords beside it (a schema that extends a metaschema). Prepared as
+            # for xgrammar (the same meaning: allOf merged, enum-only branches joined, repeats shared
+            # as $defs; or wider, and then checked) it has neither
             try:
-                normal = await loop.run_in_executor(self._threads, _budgeted, normalize, canon.value)
+                prepared, level = await loop.run_in_executor(self._threads, _budgeted, prepare, canon.value, True)
             except BadRequest:
-                normal = None
-            if normal is not None:
-                result = await run(json.dumps(normal, separators=(",", ":"), ensure_ascii=False))
+                prepared = None
+            if prepared is not None:
+                retry = await run(json.dumps(prepared, separators=(",", ":"), ensure_ascii=False))
+                if retry[0] == "ok" or TOO_LARGE in result[1]:
+                    result = retry
+                    enforcement = CHECKED if level == CHECKED else enforcement
         if result[0] == "error" and backend == "llguidance" and canon.kind == "json_schema":
             # llguidance refuses some regexes (lookarounds, \A, \b) and gives up intersecting a
             # pattern with a long length bound: the schema widened there, and the output checked

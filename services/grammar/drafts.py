@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jsonschema import Draft202012Validator, SchemaError
+from jsonschema import Draft4Validator, Draft202012Validator, SchemaError
 from jsonschema.validators import validator_for
 
 from radixflow.shared.errors import BadRequest
@@ -32,6 +32,11 @@ _LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 def declared(schema: dict) -> type:
     """The validator class of the draft `schema` declares (2020-12 when it declares none)."""
     return validator_for(schema, default=Draft202012Validator)
+
+
+def id_keyword(schema: dict) -> str:
+    """The keyword that gives a subschema its URI under `schema`'s draft."""
+    return "id" if declared(schema) is Draft4Validator else "$id"
 
 
 def check(schema: dict) -> type:

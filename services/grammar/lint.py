@@ -69,9 +69,10 @@ from typing import Any
 
 from radixflow.shared.errors import BadRequest
 
-from .drafts import to_2020
+from .drafts import id_keyword, to_2020
 from .merge import Unsupported
-from .normalize import child_path, normalize, subschemas
+from .normalize import child_path, subschemas, widened
+from .resources import localize
 
 CONTAINERS = frozenset({"$defs", "definitions"})   # hold schemas, assert nothing themselves
 
@@ -352,11 +353,13 @@ def prepare(schema: dict, checked: bool = False) -> tuple[dict, str]:
     validated against `schema` (and resampled when it fails). BadRequest (400) for a schema that
     can never be served (see the table above); merge.Unsupported (a 400 too) for one that only
     xgrammar cannot be given. `checked`: drafts.check already passed, skip it (the slow part)."""
-    schema = to_2020(schema, checked)   # a Draft 4 / 6 / 7 / 2019-09 schema, as 2020-12 (drafts.py)
+    # references into the document's embedded resources as pointers (resources.py), then a Draft
+    # 4 / 6 / 7 / 2019-09 schema as 2020-12 (drafts.py)
+    schema = to_2020(localize(schema, id_keyword(schema)), checked)
     _check_servable(schema)
-    prepared = normalize(schema)
+    prepared, wider = widened(schema)
     relaxed = _relax(prepared)
-    return prepared, "checked" if relaxed or needs_validation(prepared) else "full"
+    return prepared, "checked" if wider or relaxed or needs_validation(prepared) else "full"
 
 
 def check_schema(schema: dict) -> None:

@@ -53,6 +53,10 @@ class Unsupported(BadRequest):
     plain BadRequests: no engine serves them."""
 
 
+class TooLarge(Unsupported):
+    """The schema expands past MAX_NODES subschemas when normalized exactly."""
+
+
 class Unsatisfiable(Exception):
     def __init__(self, path: str, why: str):
         super().__init__(f"{path}: {why}")

@@ -44,6 +44,8 @@ are (lint.prepare: checked, not enforced).
 """
 from __future__ import annotations
 
+import json
+import time
 from typing import Any
 from urllib.parse import unquote
 
@@ -54,16 +56,49 @@ from radixflow.shared.errors import BadRequest
 # the algebra (merge.py) is this module's own: its private helpers are shared on purpose
 from .checks import _check_bounds, _declare_required, _disjoint, _tidy_items, _valid
 from .merge import (ALL_KINDS, FAMILY_KINDS, KEY_FAMILY, MAX_CONDITIONALS, MAX_DEPTH, MAX_INLINE, MAX_NODES, NEGATIVE,
-                    SUBSCHEMA_ONE, UNEVALUATED, Unsatisfiable, Unsupported, _applicators, _key, _kinds, _localize,
+                    SUBSCHEMA_ONE, UNEVALUATED, TooLarge, Unsatisfiable, Unsupported, _applicators, _key, _kinds, _localize,
                     _merge, _split_dependent, _split_if, _strip, _type_json, child_path, subschemas)
+
+
+# the work one normalization may do (seconds of one thread, holding the GIL): past it, as past
+# MAX_NODES, the exact rewrite gives way to the widened one, and that to llguidance
+NORMALIZE_BUDGET_S = 5.0
+# conjunctions of two or more references met in one exact rewrite. A schema that extends a recursive
+# one (allOf [a metaschema, keywords of its own], each recursive) merges them at every level and
+# grows past MAX_NODES (AsyncAPI's schema object: ~800 in its first 10,000 subschemas, 25 s); no
+# schema of the corpora that normalizes exactly has more than 6.
+MAX_CONJUNCTIONS = 64
+MAX_PASSES = 4           # rewrites of the whole schema as entries nothing satisfies come to light
 
 
 def normalize(schema: dict) -> dict:
     """`schema` rewritten by the rules above; BadRequest (400) when it is unsatisfiable, refers to
     anything but itself, or is too deep or too large. Expects a schema that passed
     Draft202012Validator.check_schema."""
+    return _run(_Normalizer(schema))
+
+
+def widened(schema: dict) -> tuple[dict, bool]:
+    """(`schema` normalized, whether it was widened). Exact where that fits in MAX_NODES; else
+    WIDENS: a conjunction of two or more references keeps the first it meets (any one part of an
+    allOf admits everything the whole does). What recursive references merged with each other
+    expand into (a schema that extends a metaschema: allOf [the metaschema, its own keywords],
+    both recursive) then stays bounded; the output is checked against the schema as sent."""
     try:
-        return _Normalizer(schema).run()
+        return normalize(schema), False
+    except TooLarge:
+        n = _Normalizer(schema, widen=True)
+        return _run(n), n.widened
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _run(n: "_Normalizer") -> dict:
+    try:
+        return n.run()
     except Unsatisfiable as e:
         raise BadRequest(f"the JSON Schema is unsatisfiable at {e.path}: {e.why}", param="response_format") from None
 
@@ -72,36 +107,82 @@ def normalize(schema: dict) -> dict:
 
 
 class _Normalizer:
-    def __init__(self, root: dict):
+    def __init__(self, root: dict, widen: bool = False):
         self.root = root
+        self.widen = widen
+        self.widened = False
+        self.conjunctions = 0
         self.validator = Draft202012Validator(root, format_checker=Draft202012Validator.FORMAT_CHECKER)
         self.anchors = self._anchors()
-        self.defs: dict[str, dict] = {"$defs": {}, "definitions": {}}
-        self.units: dict[str, str] = {}          # JSON pointer, or a merged node's key -> output $ref
-        self.queue: list[tuple[str, str, Any, str]] = []   # (container, name, raw schema, path)
-        self.active: set[str] = set()            # merged nodes being normalized, for recursion
-        self.done: dict[str, dict] = {}          # merged nodes normalized once: key -> result
+        self.dead: set[str] = set()              # entries (their unit keys) that nothing satisfies
         self.nodes = 0
+        # every keyed dict's and list's canonical text, kept with it (so that its id is not reused):
+        # merged nodes are built of the root's parts and of each other, and keying each merged node
+        # by its whole text walked them again at every level. Nothing keyed is changed afterwards.
+        self.texts: dict[int, tuple[Any, str]] = {}
+        self.deadline = time.monotonic() + NORMALIZE_BUDGET_S
 
     def run(self) -> dict:
-        out = self.norm(self.root, "$", 0)
-        while self.queue:
-            container, name, raw, path = self.queue.pop()
-            # an entry whose schema was already normalized inline (a recursive node's first
-            # occurrence) takes that result: normalizing it again would find itself in self.done
-            done = self.done.get(_key(raw)) if isinstance(raw, dict) else None
-            self.defs[container][name] = done if done is not None else self.norm(raw, path, 0)
+        # an entry nothing satisfies is found only when the queue reaches it, after the places that
+        # refer to it were written; they are written again knowing it, as they would have been had
+        # it been inline: a branch that needs it dropped, an optional property absent, and the whole
+        # schema unsatisfiable only if the root needs it (an engine may refuse a `false` entry)
+        for _ in range(MAX_PASSES):
+            out, dead = self._pass()
+            if not dead - self.dead:
+                break
+            self.dead |= dead
+        else:
+            raise TooLarge("the JSON Schema's unsatisfiable parts refer to each other too deeply", param="response_format")
         out.update({c: entries for c, entries in self.defs.items() if entries})
         _infer_types(out)
         return out
 
+    def _pass(self) -> tuple[dict, set[str]]:
+        self.defs: dict[str, dict] = {"$defs": {}, "definitions": {}}
+        self.units: dict[str, str] = {}          # JSON pointer, or a merged node's key -> output $ref
+        self.queue: list[tuple[str, str, Any, str, str]] = []   # (container, name, raw schema, path, key)
+        self.active: set[str] = set()            # merged nodes being normalized, for recursion
+        self.done: dict[str, dict] = {}          # merged nodes normalized once: key -> result
+        out = self.norm(self.root, "$", 0)
+        dead: set[str] = set()
+        while self.queue:
+            container, name, raw, path, key = self.queue.pop()
+            # an entry whose schema was already normalized inline (a recursive node's first
+            # occurrence) takes that result: normalizing it again would find itself in self.done
+            done = self.done.get(self._key(raw)) if isinstance(raw, dict) else None
+            if done is None:
+                try:
+                    done = self.norm(raw, path, 0)
+                except Unsatisfiable:
+                    done = False
+                    dead.add(key)
+            self.defs[container][name] = done
+        return out, dead
+
+    def _key(self, v: Any) -> str:
+        """Equal for equal schemas (key order aside, 1 == 1.0), as merge._key, remembered per object."""
+        if not isinstance(v, (dict, list)):
+            return _key(v)
+        hit = self.texts.get(id(v))
+        if hit is not None:
+            return hit[1]
+        if isinstance(v, dict):
+            text = "{" + ",".join(json.dumps(k) + ":" + self._key(v[k]) for k in sorted(v)) + "}"
+        else:
+            text = "[" + ",".join(self._key(x) for x in v) + "]"
+        self.texts[id(v)] = (v, text)
+        return text
+
     def _unit(self, key: str, raw: Any, path: str, container: str = "$defs", name: str = "") -> str:
         """The output $ref of an entry normalized once, from the queue (never recursively)."""
+        if key in self.dead:
+            raise Unsatisfiable(path, "it refers to a schema that nothing satisfies")
         ref = self.units.get(key)
         if ref is None:
             name = name or self._free_name()
             ref = self.units[key] = f"#/{container}/" + name.replace("~", "~0").replace("/", "~1")
-            self.queue.append((container, name, raw, path))
+            self.queue.append((container, name, raw, path, key))
         return ref
 
     def _free_name(self) -> str:
@@ -171,13 +252,20 @@ class _Normalizer:
             raise BadRequest(f"the JSON Schema is nested too deeply at {path} (over {MAX_DEPTH} levels)",
                              param="response_format")
         self.nodes += 1
+        if self.nodes % 256 == 0 and time.monotonic() > self.deadline:
+            raise TooLarge(f"the JSON Schema takes over {NORMALIZE_BUDGET_S:g} s to normalize (its allOf, $ref "
+                           "and if/then/else expand too far); simplify it", param="response_format")
         if self.nodes > MAX_NODES:
-            raise Unsupported(f"the JSON Schema expands to over {MAX_NODES} subschemas once its allOf, $ref and "
+            raise TooLarge(f"the JSON Schema expands to over {MAX_NODES} subschemas once its allOf, $ref and "
                              "if/then/else are resolved; simplify it", param="response_format")
         if node is True:
             return {}
         if node is False:
             raise Unsatisfiable(path, "the schema is false")
+        if not isinstance(node, dict):
+            # only where no metaschema looks: under a keyword JSON Schema does not define, reached by a $ref
+            raise BadRequest(f"the JSON Schema has {type(node).__name__} {_short(node)} at {path} where a schema (an "
+                             "object or a boolean) must be", param="response_format")
         node = _strip(node)
         if set(node) == {"$ref"}:
             return {"$ref": self._ref(node["$ref"], path)}
@@ -188,7 +276,7 @@ class _Normalizer:
         # references get inlined here: met again while inlined, the node is recursive and becomes
         # a $defs entry (its $refs are absolute, so equal text means an equal schema anywhere), as
         # does one under too many inlines (a long chain of $refs with keywords beside them)
-        key = _key(node)
+        key = self._key(node)
         if key in self.active or len(self.active) >= MAX_INLINE:
             return {"$ref": self._unit(key, node, path)}
         done = self.done.get(key)
@@ -246,6 +334,9 @@ class _Normalizer:
                 continue
             if s is False:
                 raise Unsatisfiable(path, "an allOf part is false")
+            if not isinstance(s, dict):
+                raise BadRequest(f"the JSON Schema has {type(s).__name__} {_short(s)} in an allOf or $ref at {path} "
+                                 "where a schema (an object or a boolean) must be", param="response_format")
             if not top:
                 s = _strip(s)
                 if any(k in s for k in UNEVALUATED):
@@ -257,6 +348,14 @@ class _Normalizer:
                 s = dict(s)
                 pointer = self._pointer(s.pop("$ref"), path)
                 stack.append((s, top))
+                if seen and pointer not in seen:
+                    if self.widen:
+                        self.widened = True   # WIDENS: the conjunction keeps its first reference
+                        continue
+                    self.conjunctions += 1
+                    if self.conjunctions > MAX_CONJUNCTIONS:
+                        raise TooLarge(f"the JSON Schema merges references with each other over {MAX_CONJUNCTIONS} "
+                                       "times (recursive schemas extending each other)", param="response_format")
                 if pointer not in seen:   # A and A is A: a reference cycle adds nothing
                     seen.add(pointer)
                     stack.append((self._deref(pointer, "#" + pointer, path)[0], False))
