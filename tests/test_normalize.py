@@ -230,6 +230,13 @@ EXACT = [
         "one": {"oneOf": [{"enum": ["a", "b"]}, {"const": "b"}, {"enum": ["c"], "title": "t"}]}}},
      [{"tool": "ps@2"}, {"tool": "sh@2"}, {"tool": 1}, {"one": "a"}, {"one": "c"}],
      [{"tool": "ps@1"}, {"tool": "x@2"}, {"one": "b"}, {"one": "d"}]),
+    # not {required: [p]}: p absent; a oneOf whose branches each require what the other forbids is
+    # disjoint (AsyncAPI's AMQP channel: routingKey and an exchange, or queue and a queue, never both)
+    ("not_required_is_absent", {"type": "object", "properties": {"a": S, "b": S}, "not": {"required": ["b"]}},
+     [{"a": "x"}, {}], [{"b": "x"}, {"a": "x", "b": "y"}]),
+    ("oneOf_required_and_forbidden", {"type": "object", "properties": {"ex": S, "q": S}, "oneOf": [
+        {"required": ["ex"], "not": {"required": ["q"]}}, {"required": ["q"], "not": {"required": ["ex"]}}]},
+     [{"ex": "a"}, {"q": "b"}], [{"ex": "a", "q": "b"}, {}]),
     ("recursive_ref_with_sibling", {"type": "object", "properties": {"v": {"type": "integer"},
                                                                      "next": {"$ref": "#", "maxProperties": 1}}},
      [{"v": 1, "next": {"next": {"v": 2}}}], [{"v": 1, "next": {"v": 1, "next": {}}}, {"next": {"next": {"v": "x"}}}]),
@@ -258,6 +265,8 @@ def test_rewrites_leave_what_a_grammar_reads():
     assert by["ref_with_siblings"]["properties"]["p"] == {"type": "integer", "minimum": 0, "maximum": 5}
     assert "allOf" not in keywords(by["allOf_two"]) and by["allOf_two"]["required"] == ["a", "b"]
     assert by["allOf_closed_part"]["properties"]["b"] is False    # a closed part forbids b
+    assert "not" not in keywords(by["not_required_is_absent"]) and by["not_required_is_absent"]["properties"]["b"] is False
+    assert "anyOf" in by["oneOf_required_and_forbidden"] and "oneOf" not in keywords(by["oneOf_required_and_forbidden"])
     assert by["allOf_bounds_types_enums"] == {"enum": [1, 2, 3]}
     assert "allOf" in by["allOf_patterns_kept"]                   # two patterns cannot be one
     assert set(by["beside_oneOf"]) == {"anyOf"}                   # disjoint by the kind discriminator

@@ -74,6 +74,14 @@ def _tidy_items(out: dict, dead: dict[str, str]) -> None:
         dead["array"] = f"minItems {out['minItems']} but at most {len(out.get('prefixItems', []))} items are allowed"
 
 
+def _forbids(s: dict, name: str) -> bool:
+    """True when the normalized object schema `s` admits no property `name`."""
+    declared = s.get("properties", {})
+    if name in declared:
+        return declared[name] is False
+    return s.get("additionalProperties", True) is False and not s.get("patternProperties")
+
+
 def _disjoint(a: dict, b: dict) -> bool:
     """True when no instance satisfies both normalized schemas (a sufficient test, not a complete one)."""
     ka = _value_kinds(a["enum"]) if "enum" in a else _kinds(a.get("type"))
@@ -83,6 +91,10 @@ def _disjoint(a: dict, b: dict) -> bool:
     if "enum" in a and "enum" in b:
         return not {_key(v) for v in a["enum"]} & {_key(v) for v in b["enum"]}
     if ka == kb == {"object"}:
+        for x, y in ((a, b), (b, a)):
+            # a property one requires and the other forbids (not {required: [p]}, or no room for it)
+            if any(_forbids(y, name) for name in x.get("required", [])):
+                return True
         for name in set(a.get("required", [])) & set(b.get("required", [])):
             sa, sb = a.get("properties", {}).get(name), b.get("properties", {}).get(name)
             if isinstance(sa, dict) and isinstance(sb, dict) and _disjoint(sa, sb):

@@ -52,7 +52,6 @@ _VALIDATED_WARNINGS = ("oneOf with overlapping", "pattern combined with minLengt
 # auto: JSON schemas longer than this go to llguidance first (see Compiler._auto)
 AUTO_MAX_SCHEMA_BYTES = 32 << 10
 TOO_LARGE = "schema too large"     # llguidance's refusal of a schema past its node limit
-SIBLINGS = "circular references with sibling keys"   # llguidance: a recursive $ref with keywords beside it
 # auto: an xgrammar job still running this long after a worker took it leaves the request to
 # llguidance. Half the 1 s compile target: what the cost model (cost.py) wrongly lets through then
 # costs the request this, the lint and an llguidance compile (milliseconds), still under 1 s.
@@ -335,13 +334,14 @@ class Compiler:
             return await self._run(worker, canon.kind, key, backend, job_text, budgeted)
 
         result = await run(text)
-        if result[0] == "error" and backend == "llguidance" and canon.kind == "json_schema" and \
-                any(why in result[1] for why in (TOO_LARGE, SIBLINGS)):
+        if result[0] == "error" and backend == "llguidance" and canon.kind == "json_schema":
             # llguidance expands a schema into at most 50,000 nodes, and a sibling distributed into a
             # large anyOf at every use (a CI config's hundreds of tasks) passes that; it refuses a
-            # recursive $ref with keywords beside it (a schema that extends a metaschema). Prepared as
-            # for xgrammar (the same meaning: allOf merged, enum-only branches joined, repeats shared
-            # as $defs; or wider, and then checked) it has neither
+            # recursive $ref with keywords beside it (a schema that extends a metaschema), and a
+            # schema with a definition nothing satisfies even where it may be absent (octokit's
+            # webhooks). Prepared as for xgrammar (the same meaning: allOf merged, enum-only
+            # branches joined, repeats shared as $defs, such a definition gone; or wider, and then
+            # checked) it has none of these
             try:
                 prepared, level = await loop.run_in_executor(self._threads, _budgeted, prepare, canon.value, True)
             except BadRequest:

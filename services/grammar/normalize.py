@@ -91,6 +91,17 @@ def widened(schema: dict) -> tuple[dict, bool]:
         return _run(n), n.widened
 
 
+def _absent(negated: Any) -> str | None:
+    """The property a `not` forbids when it is `{"required": [name]}` (annotations aside), else None."""
+    if not isinstance(negated, dict):
+        return None
+    kept = _strip(negated)
+    if set(kept) != {"required"} or not isinstance(kept["required"], list) or len(kept["required"]) != 1:
+        return None
+    name = kept["required"][0]
+    return name if isinstance(name, str) else None
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -365,6 +376,12 @@ class _Normalizer:
                 stack.extend((sub, False) for sub in reversed(s.pop("allOf")))
                 stack.append((s, top))
                 continue
+            absent = _absent(s.get("not"))
+            if absent is not None:
+                # not {required: [p]}: p is absent, which a grammar can say (mutually exclusive
+                # properties are written so); ignored, it was left to the output check
+                s = {k: v for k, v in s.items() if k != "not"}
+                parts.append({"properties": {absent: False}})
             parts.append(s)
         return parts, rest, top_unevaluated
 
