@@ -3,7 +3,9 @@ structure so that walks end. Used to check soundness (every finished walk must s
 without a model; measure_corpus.py does the same with a real (random-weight) model."""
 from __future__ import annotations
 
+import json
 import random
+from collections.abc import Iterator
 
 import torch
 import xgrammar as xgr
@@ -53,3 +55,12 @@ class Walker:
                 return out, True
             out.append(tok)
         return out, False
+
+    def values(self, compiled: "xgr.CompiledGrammar", vocab: list[bytes], rng: random.Random, walks: int,
+               max_tokens: int = 400) -> Iterator:
+        """The JSON value of each of `walks` walks that finished. strict=False: xgrammar's own
+        length-bounded strings may hold raw control characters (the compile worker patches that)."""
+        for _ in range(walks):
+            ids, done = self.walk(compiled, rng, max_tokens=max_tokens)
+            if done:
+                yield json.loads(b"".join(vocab[i] for i in ids).decode(), strict=False)
