@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import secrets
 import time
@@ -23,7 +24,7 @@ import nats.errors
 from nats.aio.msg import Msg as NatsMsg
 from nats.aio.subscription import Subscription
 
-from . import creds, log, messages, subjects
+from . import creds, log, messages
 from .config import BusConfig
 from .errors import (BadRequest, PayloadTooLarge, RadixflowError, RequestLost, RequestTimeout, ServiceUnavailable, StreamGap,
                      from_reply)
@@ -310,7 +311,7 @@ class Bus:
             reader = self._readers.get(subject)
             if reader is not None:        # else: a stream already closed (its client left)
                 reader.heard_at = now
-                reader._queue.put_nowait(item)
+                reader.put(item, heard=False)
 
 
 def is_json(m: NatsMsg) -> bool:
@@ -340,7 +341,13 @@ class InboxStream:
         self.batched = batched
         self.batch_subject = ""          # set on entering, when batched
         self.idle_timeout_s = idle_timeout_s
-        self._queue: asyncio.Queue[bytes | Msg | BaseException] = asyncio.Queue()
+        # a deque and one waiter, not an asyncio.Queue under asyncio.timeout: every item of every
+        # stream passes here, and the queue's getter future plus a timer armed and cancelled per
+        # item were a tenth of the gateway's loop at 16 streams (py-spy); the idle timer is armed
+        # once and re-armed only when it fires early (_idle)
+        self._items: collections.deque[bytes | Msg | BaseException] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._sub: Subscription | None = None
         self._next_seq = 0
         self._ahead: dict[int, Any] = {}     # items that arrived past a gap, by seq
@@ -351,8 +358,7 @@ class InboxStream:
 
     async def __aenter__(self) -> "InboxStream":
         async def on_msg(m: NatsMsg) -> None:
-            self.heard_at = time.monotonic()
-            self._queue.put_nowait(m.data)
+            self.put(m.data)
         self._sub = await self.bus.subscribe(self.subject, on_msg)
         if self.batched:
             self.batch_subject = await self.bus.batch_subject()
@@ -361,15 +367,47 @@ class InboxStream:
 
     async def __aexit__(self, *exc: Any) -> None:
         self.bus._readers.pop(self.subject, None)
+        if self._timer is not None:
+            self._timer.cancel()
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()
             except nats.errors.Error:
                 pass
 
+    def put(self, item: bytes | Msg | BaseException, heard: bool = True) -> None:
+        """An item (or an error) for the reader."""
+        if heard:
+            self.heard_at = time.monotonic()
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
     def fail(self, exc: BaseException) -> None:
         """Wake the reader with an error (a watchdog saw the producer die)."""
-        self._queue.put_nowait(exc)
+        self.put(exc, heard=False)
+
+    def _idle(self) -> None:
+        """The idle timer: silent for idle_timeout_s since the latest item, the reader gets
+        RequestTimeout; else the timer is set again for that item's deadline."""
+        self._timer = None
+        left = self.heard_at + self.idle_timeout_s - time.monotonic()
+        if left > 0:
+            self._timer = asyncio.get_running_loop().call_later(left, self._idle)
+        elif not self._done:
+            self.put(RequestTimeout(f"stream {self.subject} silent for {self.idle_timeout_s:g}s"), heard=False)
+
+    async def _get(self) -> bytes | Msg | BaseException:
+        while not self._items:
+            loop = asyncio.get_running_loop()
+            if self._timer is None and self.idle_timeout_s is not None:
+                self._timer = loop.call_later(max(self.heard_at + self.idle_timeout_s - time.monotonic(), 0), self._idle)
+            self._waiter = loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
 
     def __aiter__(self) -> "InboxStream":
         return self
@@ -382,7 +420,7 @@ class InboxStream:
         if not items or items[0].seq != self._next_seq:
             return False
         for it in items:
-            self._queue.put_nowait(it)
+            self.put(it, heard=False)
         return True
 
     async def _ask(self) -> list | None:
@@ -397,17 +435,7 @@ class InboxStream:
         if self._done:
             raise StopAsyncIteration
         while (out := self._ahead.pop(self._next_seq, None)) is None:
-            try:
-                if not self._queue.empty():
-                    item = self._queue.get_nowait()
-                else:
-                    # asyncio.timeout, not wait_for: wait_for wraps the get in a task of its own,
-                    # on every item of every stream
-                    async with asyncio.timeout(self.idle_timeout_s):
-                        item = await self._queue.get()
-            except asyncio.TimeoutError:
-                self._done = True
-                raise RequestTimeout(f"stream {self.subject} silent for {self.idle_timeout_s:g}s") from None
+            item = self._items.popleft() if self._items else await self._get()
             if isinstance(item, BaseException):
                 self._done = True
                 raise item
