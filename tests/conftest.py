@@ -60,7 +60,8 @@ def small_nats_server():
 
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
-    """Both tiny presets, generated once per test session with `make_model`."""
+    """Every tiny preset, generated once per test session with `make_model` (about a second each)."""
     from radixflow.services.modelgen.make import make_model
+    from radixflow.services.modelgen.presets import PRESETS
     root = tmp_path_factory.mktemp("models")
-    return {p: str(make_model(p, root / p)) for p in ("tiny-dense", "tiny-hybrid")}
+    return {p: str(make_model(p, root / p)) for p in PRESETS}

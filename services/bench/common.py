@@ -13,11 +13,10 @@ from contextlib import asynccontextmanager
 
 import aiohttp
 
+from radixflow.services.modelgen.presets import PRESETS
 from radixflow.services.stack import GC_YOUNG_THRESHOLD, Stack, stack_config
 from radixflow.shared.config import ExecutorConfig
 from radixflow.shared.natsd import NatsServer
-
-PRESETS = ("tiny-dense", "tiny-hybrid")
 
 
 def resolve_model(name: str) -> str:

@@ -3,7 +3,7 @@
     radixflow up [--model DIR] [--port 8000] [--nats-url URL] ...   every service in one process
     radixflow up --processes [--executors N] ...                     every service in its own process
     radixflow service NAME --nats-url URL [--model DIR] ...          one service
-    radixflow make-model PRESET DIR [--tokenizer qwen3.5]            a tiny HF checkpoint (tiny-dense, tiny-hybrid)
+    radixflow make-model PRESET DIR [--tokenizer qwen3.5]            a tiny HF checkpoint (tiny-dense, tiny-hybrid, tiny-llama, tiny-qwen2, tiny-mistral)
     radixflow schemas [--check]                                      write (or check) schemas/*.json
     radixflow memory [CONFIG] [--prefix-tokens N --copies C --json]  cache memory: calculator, or a server's
     radixflow bench decode|latency|shared-prefix|scaling|structured|mixed|program|sampler|schemas|serve  benchmarks beside their baselines
@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_alive)
 
     p = sub.add_parser("make-model", help="write a tiny Hugging Face checkpoint with seeded random weights")
-    p.add_argument("preset", help="tiny-dense | tiny-hybrid")
+    p.add_argument("preset", help="tiny-dense | tiny-hybrid | tiny-llama | tiny-qwen2 | tiny-mistral")
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", choices=("local", "qwen3.5"), default="local",

@@ -34,6 +34,7 @@ from .train_tokenizer import SPECIAL_TOKENS
 TOKENIZERS = ("local", "qwen3.5")
 LOGIT_STD = 4.0
 EMBED_STD = 1.0
+BIAS_STD = 0.5
 # Gated DeltaNet decay rates A: per-token decay is exp(-A * softplus(a + dt_bias)) with softplus ~0.7 here,
 # so A in [1e-3, 0.5] spans memories of ~1400 down to ~3 tokens.
 A_RANGE = (1e-3, 0.5)
@@ -83,9 +84,14 @@ def _param_specs(p: Preset) -> list[tuple[str, tuple[int, ...], str, float]]:
                 lin(pre + "self_attn.k_proj.weight", nkv * hd, h),
                 lin(pre + "self_attn.v_proj.weight", nkv * hd, h),
                 lin(pre + "self_attn.o_proj.weight", h, nq * hd),
-                (pre + "self_attn.q_norm.weight", (hd,), norm_kind, 0.0),
-                (pre + "self_attn.k_norm.weight", (hd,), norm_kind, 0.0),
             ]
+            if p.qk_norm:
+                specs += [(pre + "self_attn.q_norm.weight", (hd,), norm_kind, 0.0),
+                          (pre + "self_attn.k_norm.weight", (hd,), norm_kind, 0.0)]
+            if p.qkv_bias:
+                # trained Qwen2 biases are large on k; these only have to matter for the parity checks
+                specs += [(pre + f"self_attn.{x}_proj.bias", (n * hd,), "normal", BIAS_STD)
+                          for x, n in (("q", nq), ("k", nkv), ("v", nkv))]
         else:
             key_dim = p.linear_num_key_heads * p.linear_key_head_dim
             value_dim = p.linear_num_value_heads * p.linear_value_head_dim

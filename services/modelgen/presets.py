@@ -1,8 +1,10 @@
 """Shapes of the tiny random models used to test the runtime, and their Hugging Face config.json.
 
-The two presets share every size so that a test can swap the dense model for the hybrid one and only the
-token mixer changes: ``tiny-dense`` is Qwen3 (all full attention), ``tiny-hybrid`` is Qwen3.5's text model
-(three Gated DeltaNet layers, then one gated full-attention layer with partial, multimodal-layout RoPE).
+The presets share every size so that a test can swap one for another and only the architecture changes:
+``tiny-dense`` is Qwen3 (all full attention), ``tiny-hybrid`` is Qwen3.5's text model (three Gated DeltaNet
+layers, then one gated full-attention layer with partial, multimodal-layout RoPE); ``tiny-llama`` (Llama
+3.2's shape: llama3 rope scaling, tied embeddings), ``tiny-qwen2`` (Qwen2.5's: q/k/v biases, tied) and
+``tiny-mistral`` (no q/k norm, untied, no window) are the dense decoders users bring most.
 """
 from __future__ import annotations
 
@@ -42,6 +44,10 @@ class Preset:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
     tie_word_embeddings: bool = False
+    # Dense families: Qwen3's per-head q/k norm, q/k/v biases (Qwen2), rope scaling (Llama 3.x's llama3)
+    qk_norm: bool = True
+    qkv_bias: bool = False
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
     # The tokenizer's <|endoftext|> and <|im_end|>: config.json's pad / eos, and the generation stops.
     endoftext_id: int = ENDOFTEXT_ID
     im_end_id: int = IM_END_ID
@@ -91,6 +97,24 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+PRESETS |= {
+    "tiny-llama": Preset(
+        name="tiny-llama", model_type="llama", architecture="LlamaForCausalLM", rope_theta=500000.0,
+        qk_norm=False, tie_word_embeddings=True,
+        # Llama 3.2's scaling: frequencies past an 8k-token wavelength slowed 32x, a band blended
+        rope_scaling=(("rope_type", "llama3"), ("factor", 32.0), ("low_freq_factor", 1.0),
+                      ("high_freq_factor", 4.0), ("original_max_position_embeddings", 8192)),
+    ),
+    "tiny-qwen2": Preset(
+        name="tiny-qwen2", model_type="qwen2", architecture="Qwen2ForCausalLM", qk_norm=False, qkv_bias=True,
+        tie_word_embeddings=True,
+    ),
+    "tiny-mistral": Preset(
+        name="tiny-mistral", model_type="mistral", architecture="MistralForCausalLM", qk_norm=False,
+    ),
+}
+
+
 def get_preset(name: str) -> Preset:
     try:
         return PRESETS[name]
@@ -127,10 +151,15 @@ def hf_config(preset: str | Preset) -> dict[str, Any]:
         "dtype": "float32",
     }
     if not p.is_hybrid:
-        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": p.rope_theta}
-        cfg["use_sliding_window"] = False
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": p.rope_theta} | dict(p.rope_scaling)
         cfg["sliding_window"] = None
-        cfg["max_window_layers"] = p.num_hidden_layers
+        if p.model_type in ("qwen2", "qwen3"):
+            cfg["use_sliding_window"] = False
+            cfg["max_window_layers"] = p.num_hidden_layers
+        if p.model_type in ("llama", "mistral"):
+            del cfg["layer_types"]      # as their real configs: transformers reads a Mistral with it as Ministral
+        if p.model_type == "llama":
+            cfg["mlp_bias"] = False
         return cfg
 
     if sum(p.mrope_section) * 2 != p.rotary_dim:

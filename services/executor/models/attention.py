@@ -1,4 +1,5 @@
-"""Full-attention layer over the paged KV pool (Qwen3; Qwen3.5 adds an output gate)."""
+"""Full-attention layer over the paged KV pool (Qwen3 and Qwen3.5 norm q and k per head, Qwen3.5 adds an
+output gate; Llama, Mistral and Qwen2 do neither, Qwen2 adds q/k/v biases)."""
 from __future__ import annotations
 
 import torch
@@ -18,22 +19,30 @@ class Attention(nn.Module):
         self.q_size = q_out
         self.kv_size = self.hkv * self.d
         # q, k, v fused into one matmul; the loader concatenates the checkpoint's three weights
-        self.qkv = nn.Linear(spec.hidden_size, q_out + 2 * self.kv_size, bias=False)
-        self.o = nn.Linear(self.h * self.d, spec.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.d, spec.rms_norm_eps, spec.zero_centered_norm)
-        self.k_norm = RMSNorm(self.d, spec.rms_norm_eps, spec.zero_centered_norm)
+        self.qkv = nn.Linear(spec.hidden_size, q_out + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o = nn.Linear(self.h * self.d, spec.hidden_size, bias=spec.o_bias)
+        self.qk_norm = spec.qk_norm
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.d, spec.rms_norm_eps, spec.zero_centered_norm)
+            self.k_norm = RMSNorm(self.d, spec.rms_norm_eps, spec.zero_centered_norm)
         self.rotary = rotary
         self.scale = self.d ** -0.5
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = batch.kernels.linear(x, self.qkv.weight).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = batch.kernels.linear(x, self.qkv.weight)
+        if self.qkv.bias is not None:
+            qkv = qkv + self.qkv.bias
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.gated:
             # per head the checkpoint lays out [query (D) | gate (D)]
             q, gate = q.view(T, self.h, 2 * self.d).chunk(2, dim=-1)
             gate = gate.reshape(T, self.h * self.d)
-        q = self.rotary(self.q_norm(q.reshape(T, self.h, self.d), batch.kernels), batch.positions, batch.kernels)    # [T, H, D]
-        k = self.rotary(self.k_norm(k.reshape(T, self.hkv, self.d), batch.kernels), batch.positions, batch.kernels)  # [T, Hkv, D]
+        q, k = q.reshape(T, self.h, self.d), k.reshape(T, self.hkv, self.d)
+        if self.qk_norm:
+            q, k = self.q_norm(q, batch.kernels), self.k_norm(k, batch.kernels)
+        q = self.rotary(q, batch.positions, batch.kernels)    # [T, H, D]
+        k = self.rotary(k, batch.positions, batch.kernels)    # [T, Hkv, D]
         v = v.reshape(T, self.hkv, self.d)
         batch.kernels.write_kv(k_cache, v_cache, batch.out_slots, k, v)
         if batch.decode_part is not None:
@@ -45,7 +54,8 @@ class Attention(nn.Module):
         o = o.reshape(T, self.h * self.d)
         if self.gated:
             o = o * torch.sigmoid(gate)
-        return batch.kernels.linear(o, self.o.weight)
+        out = batch.kernels.linear(o, self.o.weight)
+        return out if self.o.bias is None else out + self.o.bias
 
     def _attend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         ops = batch.kernels

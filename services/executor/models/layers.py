@@ -1,5 +1,7 @@
-"""Small building blocks shared by both model families."""
+"""Small building blocks shared by every model family."""
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -53,23 +55,50 @@ class MLP(nn.Module):
         return ops.linear(ops.linear_silu_mul(x, self.gate_up.weight), self.down.weight)
 
 
+def inv_freq(rotary_dim: int, theta: float, rope_type: str = "default", scaling: dict | None = None,
+             device: torch.device | None = None) -> torch.Tensor:
+    """The rotary frequencies, [rotary_dim / 2], as the checkpoint's rope type scales them.
+
+    linear: every frequency divided by `factor` (positions stretched). llama3 (Llama 3.1 / 3.2):
+    wavelengths longer than original_max_position_embeddings / low_freq_factor are divided by
+    `factor`, those shorter than ... / high_freq_factor kept, and the band between blended linearly
+    in the wavelength's inverse."""
+    base = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device=device) / rotary_dim))
+    sc = scaling or {}
+    if rope_type == "linear":
+        return base / sc["factor"]
+    if rope_type == "llama3":
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / base
+        scaled = torch.where(wavelen > old / lo, base / factor, base)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        return torch.where(medium, blended, scaled)
+    if rope_type != "default":
+        raise ValueError(f"rope_type {rope_type!r} is not supported")
+    return base
+
+
 class Rotary(nn.Module):
     """Rotary embedding on the first `rotary_dim` dims of each head (rotate-half layout).
 
     Qwen3.5's multimodal rope (mrope) gives every section the same position for text, so for text it
     is exactly this."""
 
-    def __init__(self, rotary_dim: int, theta: float, max_pos: int):
+    def __init__(self, rotary_dim: int, theta: float, max_pos: int, rope_type: str = "default",
+                 scaling: dict | None = None):
         super().__init__()
         self.rotary_dim, self.theta, self.max_pos = rotary_dim, theta, max_pos
+        self.rope_type, self.scaling = rope_type, dict(scaling or {})
         self._last = None
         self.materialize(torch.device("cpu"))
 
     def materialize(self, device: torch.device) -> None:
         """(Re)build the cos/sin tables on `device` (plain attributes: never part of a checkpoint)."""
-        r = self.rotary_dim
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, r, 2, dtype=torch.float, device=device) / r))
-        freqs = torch.arange(self.max_pos, dtype=torch.float, device=device)[:, None] * inv_freq[None, :]  # [P, R/2]
+        inv = inv_freq(self.rotary_dim, self.theta, self.rope_type, self.scaling, device)
+        freqs = torch.arange(self.max_pos, dtype=torch.float, device=device)[:, None] * inv[None, :]  # [P, R/2]
         emb = torch.cat([freqs, freqs], dim=-1)                                                           # [P, R]
         self.cos, self.sin = emb.cos(), emb.sin()
         self._last = None

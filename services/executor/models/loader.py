@@ -1,6 +1,7 @@
 """Load a Hugging Face checkpoint (safetensors) into radixflow's CausalLM.
 
-Checkpoint names follow transformers' Qwen3ForCausalLM / Qwen3_5ForCausalLM; Qwen3.5's multimodal
+Checkpoint names follow transformers' Llama / Mistral / Qwen2 / Qwen3 / Qwen3_5 ForCausalLM (the dense
+ones share every name; Qwen3 adds q_norm / k_norm, Qwen2 q/k/v biases); Qwen3.5's multimodal
 checkpoints (`model.language_model.*`) load too, their vision tower and MTP head skipped. Projections
 that run back to back are fused here (q|k|v, gate|up, DeltaNet's qkv|z|b|a) so a step does fewer matmuls.
 """
@@ -26,7 +27,8 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     for f in files:
         with safe_open(f, framework="pt") as st:
             for name in st.keys():
-                if name.startswith(_SKIP):
+                # older Llama checkpoints store the rotary frequencies, which the config determines
+                if name.startswith(_SKIP) or name.endswith("rotary_emb.inv_freq"):
                     continue
                 out[name.replace("model.language_model.", "model.")] = st.get_tensor(name)
     return out
@@ -48,11 +50,14 @@ def _remap(spec: ModelSpec, w: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
             a = src + "self_attn."
             sd[dst + "mixer.qkv.weight"] = torch.cat([w.pop(a + "q_proj.weight"), w.pop(a + "k_proj.weight"), w.pop(a + "v_proj.weight")])
             sd[dst + "mixer.o.weight"] = w.pop(a + "o_proj.weight")
-            sd[dst + "mixer.q_norm.weight"] = w.pop(a + "q_norm.weight")
-            sd[dst + "mixer.k_norm.weight"] = w.pop(a + "k_norm.weight")
-            for bias in ("q_proj.bias", "k_proj.bias", "v_proj.bias"):
-                if a + bias in w:
-                    raise ValueError("attention biases are not supported")
+            if spec.qk_norm:
+                sd[dst + "mixer.q_norm.weight"] = w.pop(a + "q_norm.weight")
+                sd[dst + "mixer.k_norm.weight"] = w.pop(a + "k_norm.weight")
+            if spec.qkv_bias:
+                sd[dst + "mixer.qkv.bias"] = torch.cat([w.pop(a + "q_proj.bias"), w.pop(a + "k_proj.bias"),
+                                                        w.pop(a + "v_proj.bias")])
+            if spec.o_bias:
+                sd[dst + "mixer.o.bias"] = w.pop(a + "o_proj.bias")
         else:
             a = src + "linear_attn."
             sd[dst + "mixer.in_proj.weight"] = torch.cat([w.pop(a + "in_proj_qkv.weight"), w.pop(a + "in_proj_z.weight"),

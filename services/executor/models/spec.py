@@ -1,6 +1,9 @@
 """ModelSpec: the few numbers radixflow's model code needs, read from a Hugging Face config.json.
 
-Two families share one implementation: Qwen3 (`qwen3`: every layer full attention) and Qwen3.5
+One implementation serves two families. The dense decoders differ only in small switches: Llama
+3.x (`llama`: no q/k norm, optional attention biases, llama3 / linear rope scaling), Mistral
+(`mistral`: Llama's shape; its sliding window is refused until the kernels mask by window), Qwen2 /
+Qwen2.5 (`qwen2`: q/k/v biases) and Qwen3 (`qwen3`: per-head q/k RMSNorm). The hybrid is Qwen3.5
 text (`qwen3_5_text`, or the text part of `qwen3_5`: Gated DeltaNet layers with a gated
 full-attention layer every few layers, zero-centered RMSNorm, partial rotary embedding).
 """
@@ -11,7 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED = ("qwen3", "qwen3_5_text", "qwen3_5")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5")
+ROPE_TYPES = ("default", "mrope", "linear", "llama3")
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,12 @@ class ModelSpec:
     lin_v_dim: int = 0
     conv_kernel: int = 0
     torch_dtype: str = "float32"
+    qk_norm: bool = True          # Qwen3 / 3.5: RMSNorm over each head of q and k before rotary
+    qkv_bias: bool = False        # Qwen2 (always), Llama / Qwen3 with attention_bias
+    o_bias: bool = False          # Llama / Qwen3 with attention_bias (Qwen2's o_proj has none)
+    # rotary scaling: its type and its parameters as (name, value) pairs (layers.inv_freq reads them)
+    rope_type: str = "default"
+    rope_scaling: tuple[tuple[str, float], ...] = ()
 
     @property
     def attn_layers(self) -> list[int]:
@@ -71,8 +81,19 @@ class ModelSpec:
         hybrid = mt == "qwen3_5_text"
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "mrope"):
-            raise ValueError(f"rope_type {rope_type!r} is not supported (only default rotary embeddings)")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type {rope_type!r} is not supported (radixflow takes {', '.join(ROPE_TYPES)})")
+        if cfg.get("mlp_bias"):
+            raise ValueError("MLP biases (mlp_bias: true) are not supported")
+        window = cfg.get("sliding_window")
+        # Qwen2 and Qwen3 carry a window that applies only with use_sliding_window; Mistral's applies
+        # whenever set (v0.1: 4096; v0.2 and later: null). A window at least the context is no window.
+        windowed = cfg.get("use_sliding_window", mt == "mistral") and window is not None \
+            and window < cfg.get("max_position_embeddings", 32768)
+        if windowed and not hybrid:
+            raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported: every "
+                             "layer attends to the whole context here, which would change the model's outputs")
+        bias = bool(cfg.get("attention_bias", False))
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25 if hybrid else 1.0))
         n = cfg["num_hidden_layers"]
@@ -81,8 +102,6 @@ class ModelSpec:
             every = cfg.get("full_attention_interval", 4)
             layer_types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
         if not hybrid:
-            if cfg.get("use_sliding_window"):
-                raise ValueError("sliding-window attention is not supported")
             layer_types = ["full_attention"] * n
         dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
         return cls(
@@ -96,4 +115,9 @@ class ModelSpec:
             attn_output_gate=hybrid, zero_centered_norm=hybrid,
             lin_num_k_heads=cfg.get("linear_num_key_heads", 0), lin_num_v_heads=cfg.get("linear_num_value_heads", 0),
             lin_k_dim=cfg.get("linear_key_head_dim", 0), lin_v_dim=cfg.get("linear_value_head_dim", 0),
-            conv_kernel=cfg.get("linear_conv_kernel_dim", 0), torch_dtype=str(dtype))
+            conv_kernel=cfg.get("linear_conv_kernel_dim", 0), torch_dtype=str(dtype),
+            qk_norm=mt in ("qwen3", "qwen3_5_text"), qkv_bias=mt == "qwen2" or bias, o_bias=bias and mt != "qwen2",
+            rope_type="default" if rope_type == "mrope" else rope_type,
+            rope_scaling=tuple(sorted((k, float(v)) for k, v in rope.items()
+                                      if k in ("factor", "low_freq_factor", "high_freq_factor",
+                                               "original_max_position_embeddings"))))

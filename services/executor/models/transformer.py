@@ -44,7 +44,8 @@ class CausalLM(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.spec = spec
-        self.rotary = Rotary(spec.rotary_dim, spec.rope_theta, spec.max_position_embeddings)
+        self.rotary = Rotary(spec.rotary_dim, spec.rope_theta, spec.max_position_embeddings, spec.rope_type,
+                             dict(spec.rope_scaling))
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, t, self.rotary) for t in spec.layer_types)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.zero_centered_norm)

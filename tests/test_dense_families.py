@@ -1,0 +1,104 @@
+"""The dense decoders users bring (Llama 3.x, Qwen2 / 2.5, Mistral) on radixflow's one model code: the
+served engine's greedy tokens equal transformers' `generate` with a cached prefix shared, rope scaling
+equals transformers' for each type, and what the model code cannot run is refused with a reason.
+Per-position logits parity for these presets is in test_model_parity.py."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from radixflow.services.executor.engine import Engine, EngineConfig
+from radixflow.services.executor.models import ModelSpec, load_model
+from radixflow.services.executor.models.layers import inv_freq
+from radixflow.shared.messages import ExecRequest, SamplingParams
+
+FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral"]
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 8000, (n,), generator=g).tolist()
+
+
+def _run(engine: Engine, prompts: dict[str, list[int]], n: int) -> dict[str, list[int]]:
+    for rid, p in prompts.items():
+        engine.add(ExecRequest(rid=rid, input_ids=p, eos_token_ids=[],
+                               sampling=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)))
+    out: dict[str, list[int]] = {}
+    while engine.has_work():
+        for _, o in engine.step():
+            out.setdefault(o.rid, []).extend(o.token_ids)
+    return out
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_engine_greedy_equals_transformers_generate_with_a_cached_prefix(preset, models):
+    from transformers import AutoModelForCausalLM
+    path = models[preset]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    base = _prompt(1, 160)
+    prompts = {"a": base + _prompt(2, 30), "b": base + _prompt(3, 45), "c": _prompt(4, 70)}
+    want = {}
+    for rid, p in prompts.items():
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+        want[rid] = out[0, len(p):].tolist()
+    engine = Engine(EngineConfig(model=path, page_size=16, max_total_tokens=8192, max_running_requests=8,
+                                 max_prefill_tokens=2048))
+    first = _run(engine, {"a": prompts["a"]}, 10)                 # leaves `base` in the cache
+    rest = _run(engine, {"b": prompts["b"], "c": prompts["c"]}, 10)
+    assert first["a"] == want["a"] and rest == {"b": want["b"], "c": want["c"]}
+    assert engine.stats()["cached_tokens_total"] >= 160            # b's shared prefix came from the cache
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+     "original_max_position_embeddings": 4096},
+])
+def test_rope_scaling_equals_transformers(rope):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    theta = 500000.0
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, max_position_embeddings=131072,
+                      rope_parameters={"rope_theta": theta} | rope)
+    want, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](cfg, torch.device("cpu"))
+    got = inv_freq(64, theta, rope["rope_type"], {k: v for k, v in rope.items() if k != "rope_type"})
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
+    assert not torch.equal(got, inv_freq(64, theta))      # the scaling changed something
+
+
+def _config(models, preset: str, **changes) -> dict:
+    with open(os.path.join(models[preset], "config.json")) as f:
+        return json.load(f) | changes
+
+
+@pytest.mark.parametrize("preset,changes,match", [
+    ("tiny-mistral", {"sliding_window": 4096}, "sliding-window attention"),
+    ("tiny-qwen2", {"use_sliding_window": True, "sliding_window": 4096}, "sliding-window attention"),
+    ("tiny-llama", {"mlp_bias": True}, "MLP biases"),
+    ("tiny-llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "yarn"),
+    ("tiny-llama", {"model_type": "gpt2"}, "unsupported model_type"),
+])
+def test_what_the_model_code_cannot_run_is_refused_with_a_reason(models, preset, changes, match):
+    with pytest.raises(ValueError, match=match):
+        ModelSpec.from_config(_config(models, preset, **changes))
+
+
+def test_a_window_no_shorter_than_the_context_is_no_window(models):
+    spec = ModelSpec.from_config(_config(models, "tiny-mistral", sliding_window=32768))
+    assert spec.layer_types == ("full_attention",) * spec.num_layers
+
+
+def test_qwen2_biases_and_llama_tied_head_are_loaded(models):
+    qwen2 = load_model(models["tiny-qwen2"], torch.device("cpu"), torch.float32)
+    attn = qwen2.layers[0].mixer
+    assert attn.qkv.bias is not None and attn.o.bias is None and not attn.qk_norm
+    assert attn.qkv.bias.abs().sum() > 0
+    llama = load_model(models["tiny-llama"], torch.device("cpu"), torch.float32)
+    assert llama.lm_head.weight.data_ptr() == llama.embed.weight.data_ptr()
