@@ -102,3 +102,15 @@ def test_qwen2_biases_and_llama_tied_head_are_loaded(models):
     assert attn.qkv.bias.abs().sum() > 0
     llama = load_model(models["tiny-llama"], torch.device("cpu"), torch.float32)
     assert llama.lm_head.weight.data_ptr() == llama.embed.weight.data_ptr()
+
+
+def test_models_lists_every_supported_architecture_with_a_preset_that_tests_it(models):
+    import subprocess
+    import sys
+    from radixflow.services.executor.models.spec import FAMILIES, SUPPORTED
+    assert set(FAMILIES) == set(SUPPORTED) - {"qwen3_5"}          # qwen3_5: an alias of its text part
+    for mt, f in FAMILIES.items():
+        assert ModelSpec.from_dir(models[f["preset"]]).model_type == mt
+    out = subprocess.run([sys.executable, "-m", "radixflow.services.cli.main", "models", "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    assert json.loads(out)["model_types"] == FAMILIES

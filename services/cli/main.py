@@ -4,6 +4,7 @@
     radixflow up --processes [--executors N] ...                     every service in its own process
     radixflow service NAME --nats-url URL [--model DIR] ...          one service
     radixflow make-model PRESET DIR [--tokenizer qwen3.5]            a tiny HF checkpoint (tiny-dense, tiny-hybrid, tiny-llama, tiny-qwen2, tiny-mistral)
+    radixflow models [--json]                                        the architectures served, and what each supports
     radixflow schemas [--check]                                      write (or check) schemas/*.json
     radixflow memory [CONFIG] [--prefix-tokens N --copies C --json]  cache memory: calculator, or a server's
     radixflow bench decode|latency|shared-prefix|scaling|structured|mixed|program|sampler|schemas|serve  benchmarks beside their baselines
@@ -195,6 +196,18 @@ def cmd_make_model(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models(a: argparse.Namespace) -> int:
+    import json
+    from radixflow.services.executor.models.spec import FAMILIES, ROPE_TYPES
+    if a.json:
+        print(json.dumps({"model_types": FAMILIES, "rope_types": list(ROPE_TYPES)}, indent=2))
+        return 0
+    for mt, f in FAMILIES.items():
+        print(f"{mt:13} {f['class']:20} preset {f['preset']:13} {f['notes']}\n{'':13} serves: {f['serves']}")
+    print(f"rope types: {', '.join(ROPE_TYPES)}")
+    return 0
+
+
 def cmd_schemas(a: argparse.Namespace) -> int:
     from radixflow.services.gateway import openapi
     from radixflow.shared.schemas import check, write
@@ -359,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="local: the shipped 8k BPE; qwen3.5: the real Qwen3.5/3.6 tokenizer (248,320-row embedding, "
                         "tied to the LM head)")
     p.set_defaults(fn=cmd_make_model)
+    p = sub.add_parser("models", help="the architectures radixflow serves, and what each supports")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_models)
     p = sub.add_parser("schemas", help="write the JSON Schemas of the bus messages (or --check for drift)")
     p.add_argument("--dir", default="schemas")
     p.add_argument("--check", action="store_true")

@@ -106,13 +106,13 @@ class Engine(RadixExchange):
         memory, less the weights about to be loaded (their files, at the serving dtype; twice on a
         CPU, for the linear kernels' packed copies), less the state slots. Too little for one
         max_model_len sequence is a clear error."""
-        import glob
         import os
         from .memory import dtype_bytes, free_bytes, tokens_for
+        from .models.loader import weight_files
         from .runner import pick_device, pick_dtype
         device = pick_device(self.cfg.device)
         dtype = pick_dtype(device, self.cfg.dtype)
-        files = glob.glob(os.path.join(self.cfg.model, "*.safetensors"))
+        files = weight_files(self.cfg.model)
         weights = sum(os.path.getsize(f) for f in files) * dtype_bytes(dtype) // dtype_bytes(spec.torch_dtype or "float32")
         if device.type == "cpu" and self.cfg.kernels != "torch":
             weights *= 2      # the CPU linear kernels keep a packed copy of each weight (kernels/linear/cpu.py)

@@ -1,4 +1,4 @@
-"""Load a Hugging Face checkpoint (safetensors) into radixflow's CausalLM.
+"""Load a Hugging Face checkpoint (safetensors, sharded or not, or PyTorch .bin) into radixflow's CausalLM.
 
 Checkpoint names follow transformers' Llama / Mistral / Qwen2 / Qwen3 / Qwen3_5 ForCausalLM (the dense
 ones share every name; Qwen3 adds q_norm / k_norm, Qwen2 q/k/v biases); Qwen3.5's multimodal
@@ -8,6 +8,7 @@ that run back to back are fused here (q|k|v, gate|up, DeltaNet's qkv|z|b|a) so a
 from __future__ import annotations
 
 import glob
+import json
 import os
 
 import torch
@@ -19,18 +20,36 @@ from .transformer import CausalLM
 _SKIP = ("model.visual.", "mtp.", "model.language_model.visual.")
 
 
-def _read_tensors(path: str) -> dict[str, torch.Tensor]:
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+def weight_files(path: str) -> list[str]:
+    """The checkpoint's weight files, as transformers picks them: the shards an index names (a
+    directory may also hold other weights, such as Mistral's consolidated.safetensors), else
+    model.safetensors, else the PyTorch .bin files (weights only: nothing in them is executed)."""
+    for index, single in (("model.safetensors.index.json", "model.safetensors"),
+                          ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        if os.path.exists(os.path.join(path, index)):
+            with open(os.path.join(path, index)) as f:
+                return [os.path.join(path, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
+        if os.path.exists(os.path.join(path, single)):
+            return [os.path.join(path, single)]
+    files = sorted(f for f in glob.glob(os.path.join(path, "*.safetensors")) if "consolidated" not in f)
     if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
+        raise FileNotFoundError(f"no weights in {path}: neither *.safetensors nor pytorch_model.bin")
+    return files
+
+
+def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(f, framework="pt") as st:
-            for name in st.keys():
-                # older Llama checkpoints store the rotary frequencies, which the config determines
-                if name.startswith(_SKIP) or name.endswith("rotary_emb.inv_freq"):
-                    continue
-                out[name.replace("model.language_model.", "model.")] = st.get_tensor(name)
+    for f in weight_files(path):
+        if f.endswith(".bin"):
+            tensors = torch.load(f, map_location="cpu", weights_only=True)
+        else:
+            with safe_open(f, framework="pt") as st:
+                tensors = {name: st.get_tensor(name) for name in st.keys()}
+        for name, t in tensors.items():
+            # older Llama checkpoints store the rotary frequencies, which the config determines
+            if name.startswith(_SKIP) or name.endswith("rotary_emb.inv_freq"):
+                continue
+            out[name.replace("model.language_model.", "model.")] = t
     return out
 
 

@@ -17,6 +17,24 @@ from typing import Any
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5")
 ROPE_TYPES = ("default", "mrope", "linear", "llama3")
 
+# What `radixflow models` lists: per model_type, its transformers class, the tiny preset that tests it,
+# and what it differs in. Every family has the radix cache, structured output and the CPU (C++) and
+# Triton kernels; the hybrid alone keeps DeltaNet states, checkpointed in the cache.
+_DENSE = "radix cache (paged KV), structured output, CPU and Triton kernels"
+FAMILIES: dict[str, dict[str, str]] = {
+    "llama": {"class": "LlamaForCausalLM", "preset": "tiny-llama", "serves": _DENSE,
+              "notes": "Llama 3.x: rope default / linear / llama3; attention_bias; tied or untied head"},
+    "mistral": {"class": "MistralForCausalLM", "preset": "tiny-mistral", "serves": _DENSE,
+                "notes": "without a sliding window (v0.2 and later); a window shorter than the context is refused"},
+    "qwen2": {"class": "Qwen2ForCausalLM", "preset": "tiny-qwen2", "serves": _DENSE,
+              "notes": "Qwen2 / Qwen2.5: q/k/v biases; use_sliding_window refused"},
+    "qwen3": {"class": "Qwen3ForCausalLM", "preset": "tiny-dense", "serves": _DENSE,
+              "notes": "per-head q/k RMSNorm"},
+    "qwen3_5_text": {"class": "Qwen3_5ForCausalLM", "preset": "tiny-hybrid",
+                     "serves": _DENSE + ", DeltaNet state checkpoints at prefix boundaries",
+                     "notes": "Gated DeltaNet + gated full attention (hybrid); qwen3_5 checkpoints load their text part"},
+}
+
 
 @dataclass(frozen=True)
 class ModelSpec:
