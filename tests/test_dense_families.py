@@ -12,7 +12,7 @@ import torch
 
 from radixflow.services.executor.engine import Engine, EngineConfig
 from radixflow.services.executor.models import ModelSpec, load_model
-from radixflow.services.executor.models.layers import inv_freq
+from radixflow.services.executor.models.layers import attention_factor, inv_freq
 from radixflow.shared.messages import ExecRequest, SamplingParams
 
 FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral"]
@@ -60,6 +60,9 @@ def test_engine_greedy_equals_transformers_generate_with_a_cached_prefix(preset,
      "original_max_position_embeddings": 8192},
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
      "original_max_position_embeddings": 4096},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},          # Qwen2.5's
+    {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.707},
 ])
 def test_rope_scaling_equals_transformers(rope):
     from transformers import LlamaConfig
@@ -67,9 +70,12 @@ def test_rope_scaling_equals_transformers(rope):
     theta = 500000.0
     cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, max_position_embeddings=131072,
                       rope_parameters={"rope_theta": theta} | rope)
-    want, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](cfg, torch.device("cpu"))
-    got = inv_freq(64, theta, rope["rope_type"], {k: v for k, v in rope.items() if k != "rope_type"})
+    want, scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](cfg, torch.device("cpu"))
+    sc = dict(ModelSpec.from_config(cfg.to_dict() | {"model_type": "llama", "rope_parameters": {"rope_theta": theta}
+                                                     | rope}).rope_scaling)
+    got = inv_freq(64, theta, rope["rope_type"], sc)
     torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
+    assert attention_factor(rope["rope_type"], sc) == pytest.approx(scale or 1.0)
     assert not torch.equal(got, inv_freq(64, theta))      # the scaling changed something
 
 
@@ -82,12 +88,34 @@ def _config(models, preset: str, **changes) -> dict:
     ("tiny-mistral", {"sliding_window": 4096}, "sliding-window attention"),
     ("tiny-qwen2", {"use_sliding_window": True, "sliding_window": 4096}, "sliding-window attention"),
     ("tiny-llama", {"mlp_bias": True}, "MLP biases"),
-    ("tiny-llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "yarn"),
+    ("tiny-llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}}, "dynamic"),
     ("tiny-llama", {"model_type": "gpt2"}, "unsupported model_type"),
 ])
 def test_what_the_model_code_cannot_run_is_refused_with_a_reason(models, preset, changes, match):
     with pytest.raises(ValueError, match=match):
         ModelSpec.from_config(_config(models, preset, **changes))
+
+
+def test_yarn_scaled_model_decodes_as_transformers(models, tmp_path):
+    """Qwen2.5's long-context setting (YaRN, factor 4) on the tiny Qwen2, the attention factor
+    included: the engine's greedy tokens equal transformers' `generate`."""
+    import shutil
+    from transformers import AutoModelForCausalLM
+    path = tmp_path / "yarn"
+    shutil.copytree(models["tiny-qwen2"], path)
+    cfg = _config(models, "tiny-qwen2", max_position_embeddings=8192)
+    cfg["rope_parameters"] = cfg["rope_parameters"] | {"rope_type": "yarn", "factor": 4.0,
+                                                       "original_max_position_embeddings": 2048}
+    (path / "config.json").write_text(json.dumps(cfg))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    ours = load_model(str(path), torch.device("cpu"), torch.float32)
+    assert ours.rotary.cos.abs().max() > 1.0                   # scaled by 0.1 ln 4 + 1
+    ids = _prompt(9, 300)
+    engine = Engine(EngineConfig(model=str(path), page_size=16, max_total_tokens=4096, max_running_requests=2))
+    got = _run(engine, {"y": ids}, 6)["y"]
+    with torch.inference_mode():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert got == want[0, len(ids):].tolist()
 
 
 def test_a_window_no_shorter_than_the_context_is_no_window(models):

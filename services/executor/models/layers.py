@@ -76,9 +76,40 @@ def inv_freq(rotary_dim: int, theta: float, rope_type: str = "default", scaling:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old / hi) & (wavelen <= old / lo)
         return torch.where(medium, blended, scaled)
+    if rope_type == "yarn":
+        # YaRN: frequencies that turn fewer than beta_slow times over the original context are
+        # interpolated (divided by factor), those turning more than beta_fast times kept, a linear
+        # ramp over the dims between
+        factor, old = sc["factor"], sc["original_max_position_embeddings"]
+
+        def dim_of(turns: float) -> float:
+            return rotary_dim * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(theta))
+        lo, hi = dim_of(sc.get("beta_fast", 32.0)), dim_of(sc.get("beta_slow", 1.0))
+        if sc.get("truncate", 1.0):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, rotary_dim - 1)
+        hi = hi + 0.001 if lo == hi else hi
+        ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float, device=device) - lo) / (hi - lo)).clamp(0, 1)
+        return base / factor * ramp + base * (1 - ramp)
     if rope_type != "default":
         raise ValueError(f"rope_type {rope_type!r} is not supported")
     return base
+
+
+def attention_factor(rope_type: str, scaling: dict | None = None) -> float:
+    """What cos and sin are multiplied by: 1, except under YaRN (0.1 ln(factor) + 1 unless the
+    config names it, or the ratio of two such scales with mscale / mscale_all_dim)."""
+    sc = scaling or {}
+    if rope_type != "yarn":
+        return 1.0
+    if sc.get("attention_factor"):
+        return sc["attention_factor"]
+
+    def mscale(factor: float, m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    if sc.get("mscale") and sc.get("mscale_all_dim"):
+        return mscale(sc["factor"], sc["mscale"]) / mscale(sc["factor"], sc["mscale_all_dim"])
+    return mscale(sc["factor"])
 
 
 class Rotary(nn.Module):
@@ -100,7 +131,8 @@ class Rotary(nn.Module):
         inv = inv_freq(self.rotary_dim, self.theta, self.rope_type, self.scaling, device)
         freqs = torch.arange(self.max_pos, dtype=torch.float, device=device)[:, None] * inv[None, :]  # [P, R/2]
         emb = torch.cat([freqs, freqs], dim=-1)                                                           # [P, R]
-        self.cos, self.sin = emb.cos(), emb.sin()
+        scale = attention_factor(self.rope_type, self.scaling)
+        self.cos, self.sin = emb.cos() * scale, emb.sin() * scale
         self._last = None
 
     def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

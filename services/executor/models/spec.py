@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5")
-ROPE_TYPES = ("default", "mrope", "linear", "llama3")
+ROPE_TYPES = ("default", "mrope", "linear", "llama3", "yarn")
 
 # What `radixflow models` lists: per model_type, its transformers class, the tiny preset that tests it,
 # and what it differs in. Every family has the radix cache, structured output and the CPU (C++) and
@@ -23,11 +23,11 @@ ROPE_TYPES = ("default", "mrope", "linear", "llama3")
 _DENSE = "radix cache (paged KV), structured output, CPU and Triton kernels"
 FAMILIES: dict[str, dict[str, str]] = {
     "llama": {"class": "LlamaForCausalLM", "preset": "tiny-llama", "serves": _DENSE,
-              "notes": "Llama 3.x: rope default / linear / llama3; attention_bias; tied or untied head"},
+              "notes": "Llama 3.x: llama3 rope scaling; attention_bias; tied or untied head"},
     "mistral": {"class": "MistralForCausalLM", "preset": "tiny-mistral", "serves": _DENSE,
                 "notes": "without a sliding window (v0.2 and later); a window shorter than the context is refused"},
     "qwen2": {"class": "Qwen2ForCausalLM", "preset": "tiny-qwen2", "serves": _DENSE,
-              "notes": "Qwen2 / Qwen2.5: q/k/v biases; use_sliding_window refused"},
+              "notes": "Qwen2 / Qwen2.5: q/k/v biases; YaRN for long context; use_sliding_window refused"},
     "qwen3": {"class": "Qwen3ForCausalLM", "preset": "tiny-dense", "serves": _DENSE,
               "notes": "per-head q/k RMSNorm"},
     "qwen3_5_text": {"class": "Qwen3_5ForCausalLM", "preset": "tiny-hybrid",
@@ -136,6 +136,18 @@ class ModelSpec:
             conv_kernel=cfg.get("linear_conv_kernel_dim", 0), torch_dtype=str(dtype),
             qk_norm=mt in ("qwen3", "qwen3_5_text"), qkv_bias=mt == "qwen2" or bias, o_bias=bias and mt != "qwen2",
             rope_type="default" if rope_type == "mrope" else rope_type,
-            rope_scaling=tuple(sorted((k, float(v)) for k, v in rope.items()
-                                      if k in ("factor", "low_freq_factor", "high_freq_factor",
-                                               "original_max_position_embeddings"))))
+            rope_scaling=_scaling(rope_type, rope, cfg))
+
+
+_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "beta_fast",
+                 "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
+
+
+def _scaling(rope_type: str, rope: dict[str, Any], cfg: dict[str, Any]) -> tuple[tuple[str, float], ...]:
+    """The rope scaling's numbers (layers.inv_freq): YaRN's original context defaults to the
+    model's, and its factor to the ratio of the two, as transformers reads them."""
+    sc = {k: float(v) for k, v in rope.items() if k in _SCALING_KEYS and v is not None}
+    if rope_type == "yarn":
+        sc.setdefault("original_max_position_embeddings", float(cfg.get("max_position_embeddings", 32768)))
+        sc.setdefault("factor", cfg.get("max_position_embeddings", 32768) / sc["original_max_position_embeddings"])
+    return tuple(sorted(sc.items()))
