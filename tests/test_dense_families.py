@@ -1,4 +1,4 @@
-"""The dense decoders users bring (Llama 3.x, Qwen2 / 2.5, Mistral) on radixflow's one model code: the
+"""The decoders users bring (Llama 3.x, Qwen2 / 2.5, Mistral, Qwen3-MoE) on radixflow's one model code: the
 served engine's greedy tokens equal transformers' `generate` with a cached prefix shared, rope scaling
 equals transformers' for each type, and what the model code cannot run is refused with a reason.
 Per-position logits parity for these presets is in test_model_parity.py."""
@@ -15,7 +15,7 @@ from radixflow.services.executor.models import ModelSpec, load_model
 from radixflow.services.executor.models.layers import attention_factor, inv_freq
 from radixflow.shared.messages import ExecRequest, SamplingParams
 
-FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral"]
+FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-moe"]
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -142,3 +142,17 @@ def test_models_lists_every_supported_architecture_with_a_preset_that_tests_it(m
     out = subprocess.run([sys.executable, "-m", "radixflow.services.cli.main", "models", "--json"],
                          capture_output=True, text=True, check=True).stdout
     assert json.loads(out)["model_types"] == FAMILIES
+
+
+def test_moe_runs_only_the_chosen_experts(models):
+    """A step's expert matmuls cover top_k experts per token, not all of them: with one token only
+    top_k experts compute, and an expert nobody chose may hold garbage without changing the output."""
+    m = load_model(models["tiny-moe"], torch.device("cpu"), torch.float32)
+    moe = m.layers[1].mlp
+    x = torch.randn(1, moe.gate_up.shape[2], generator=torch.Generator().manual_seed(0))
+    chosen = torch.softmax(torch.nn.functional.linear(x, moe.router.weight), -1).topk(moe.top_k).indices[0].tolist()
+    want = moe(x)
+    idle = next(e for e in range(moe.gate_up.shape[0]) if e not in chosen)
+    with torch.no_grad():
+        moe.gate_up[idle].fill_(float("nan"))
+    assert torch.equal(moe(x), want)

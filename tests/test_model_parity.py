@@ -46,7 +46,7 @@ def _cache(out):
     return getattr(out, "cache", None) or out.past_key_values
 
 
-@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-hybrid", "tiny-llama", "tiny-qwen2", "tiny-mistral"])
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-hybrid", "tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-moe"])
 def test_prompt_and_decode_logits_match_transformers(preset, models):
     path = models[preset]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()

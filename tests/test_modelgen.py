@@ -19,9 +19,9 @@ transformers.utils.logging.set_verbosity_error()
 PRESET_NAMES = sorted(PRESETS)
 EXPECTED_CLASS = {"tiny-dense": "Qwen3ForCausalLM", "tiny-hybrid": "Qwen3_5ForCausalLM",
                   "tiny-llama": "LlamaForCausalLM", "tiny-qwen2": "Qwen2ForCausalLM",
-                  "tiny-mistral": "MistralForCausalLM"}
+                  "tiny-mistral": "MistralForCausalLM", "tiny-moe": "Qwen3MoeForCausalLM"}
 EXPECTED_CONFIG_CLASS = {"tiny-dense": "Qwen3Config", "tiny-hybrid": "Qwen3_5TextConfig", "tiny-llama": "LlamaConfig",
-                         "tiny-qwen2": "Qwen2Config", "tiny-mistral": "MistralConfig"}
+                         "tiny-qwen2": "Qwen2Config", "tiny-mistral": "MistralConfig", "tiny-moe": "Qwen3MoeConfig"}
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
@@ -90,6 +90,12 @@ def test_loads_without_missing_or_unexpected_keys(loaded, model_dirs, name):
     theirs = model.state_dict()
     if model.config.tie_word_embeddings:      # the head is the embedding, not a tensor of the file
         assert theirs.pop("lm_head.weight").data_ptr() == theirs["model.embed_tokens.weight"].data_ptr()
+    for layer in sorted({k.split(".experts.")[0] for k in ours if ".experts." in k}):
+        # transformers 5 stacks the hub's per-expert modules on load: [E, 2I, H] (gate over up), [E, H, I]
+        n = sum(1 for k in ours if k.startswith(layer + ".experts.") and k.endswith("down_proj.weight"))
+        per = [{w: ours.pop(f"{layer}.experts.{e}.{w}_proj.weight") for w in ("gate", "up", "down")} for e in range(n)]
+        ours[layer + ".experts.gate_up_proj"] = torch.stack([torch.cat([x["gate"], x["up"]]) for x in per])
+        ours[layer + ".experts.down_proj"] = torch.stack([x["down"] for x in per])
     assert set(ours) == set(theirs)
     for key, tensor in ours.items():
         assert torch.equal(theirs[key], tensor), key

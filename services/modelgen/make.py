@@ -112,10 +112,19 @@ def _param_specs(p: Preset) -> list[tuple[str, tuple[int, ...], str, float]]:
                 (la + "norm.weight", (p.linear_value_head_dim,), "ones", 0.0),
                 lin(la + "out_proj.weight", h, value_dim),
             ]
+        if i in p.moe_layers:
+            # the hub's layout: a router, then one module per expert
+            specs.append(lin(pre + "mlp.gate.weight", p.num_experts, h))
+            for e in range(p.num_experts):
+                x = f"{pre}mlp.experts.{e}."
+                specs += [lin(x + "gate_proj.weight", p.moe_intermediate_size, h),
+                          lin(x + "up_proj.weight", p.moe_intermediate_size, h),
+                          lin(x + "down_proj.weight", h, p.moe_intermediate_size)]
+        else:
+            specs += [lin(pre + "mlp.gate_proj.weight", p.intermediate_size, h),
+                      lin(pre + "mlp.up_proj.weight", p.intermediate_size, h),
+                      lin(pre + "mlp.down_proj.weight", h, p.intermediate_size)]
         specs += [
-            lin(pre + "mlp.gate_proj.weight", p.intermediate_size, h),
-            lin(pre + "mlp.up_proj.weight", p.intermediate_size, h),
-            lin(pre + "mlp.down_proj.weight", h, p.intermediate_size),
             (pre + "input_layernorm.weight", (h,), norm_kind, 0.0),
             (pre + "post_attention_layernorm.weight", (h,), norm_kind, 0.0),
         ]

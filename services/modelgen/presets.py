@@ -48,6 +48,11 @@ class Preset:
     qk_norm: bool = True
     qkv_bias: bool = False
     rope_scaling: tuple[tuple[str, Any], ...] = ()
+    # Qwen3-MoE: experts per sparse layer, how many each token takes, their width; dense-MLP layers
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    mlp_only_layers: tuple[int, ...] = ()
     # The tokenizer's <|endoftext|> and <|im_end|>: config.json's pad / eos, and the generation stops.
     endoftext_id: int = ENDOFTEXT_ID
     im_end_id: int = IM_END_ID
@@ -62,6 +67,10 @@ class Preset:
             return ["full_attention"] * self.num_hidden_layers
         n = self.full_attention_interval
         return ["full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(self.num_hidden_layers)]
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.num_experts and i not in self.mlp_only_layers]
 
     @property
     def generation_eos_ids(self) -> list[int]:
@@ -112,6 +121,12 @@ PRESETS |= {
     "tiny-mistral": Preset(
         name="tiny-mistral", model_type="mistral", architecture="MistralForCausalLM", qk_norm=False,
     ),
+    # Qwen3-30B-A3B's routing (8 of 128 experts, renormalized) scaled down: 2 of 8; layer 0 dense, so
+    # both MLP kinds run in one model
+    "tiny-moe": Preset(
+        name="tiny-moe", model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM", num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=192, mlp_only_layers=(0,),
+    ),
 }
 
 
@@ -160,6 +175,11 @@ def hf_config(preset: str | Preset) -> dict[str, Any]:
             del cfg["layer_types"]      # as their real configs: transformers reads a Mistral with it as Ministral
         if p.model_type == "llama":
             cfg["mlp_bias"] = False
+        if p.num_experts:
+            cfg.update(num_experts=p.num_experts, num_experts_per_tok=p.num_experts_per_tok,
+                       moe_intermediate_size=p.moe_intermediate_size, norm_topk_prob=True, decoder_sparse_step=1,
+                       mlp_only_layers=list(p.mlp_only_layers), output_router_logits=False,
+                       router_aux_loss_coef=0.001)
         return cfg
 
     if sum(p.mrope_section) * 2 != p.rotary_dim:

@@ -112,6 +112,43 @@ def attention_factor(rope_type: str, scaling: dict | None = None) -> float:
     return mscale(sc["factor"])
 
 
+class MoE(nn.Module):
+    """A sparse mixture of SwiGLU experts (Qwen3-MoE): a router's softmax picks top_k experts per
+    token (their weights renormalized to sum to 1 with norm_topk_prob), and each expert runs on its
+    own tokens only, so a step costs the experts chosen, not all of them. Expert weights are stacked
+    ([E, 2I, H] with gate over up, [E, H, I]) and run through torch's matmuls: the packed CPU
+    kernels cache one packing per weight, which E slices of a stack would defeat."""
+
+    def __init__(self, hidden: int, inter: int, experts: int, top_k: int, norm_topk: bool):
+        super().__init__()
+        self.top_k, self.norm_topk = top_k, norm_topk
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(experts, hidden, inter), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
+        probs = torch.softmax(torch.nn.functional.linear(x, self.router.weight).float(), dim=-1)   # [T, E]
+        weights, chosen = probs.topk(self.top_k, dim=-1)                                           # [T, k]
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype).flatten()
+        # the (token, slot) pairs grouped by expert: one matmul per expert over its own tokens
+        order = chosen.flatten().argsort(stable=True)
+        counts = torch.bincount(chosen.flatten(), minlength=self.gate_up.shape[0]).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            pairs = order[start:start + n]
+            start += n
+            rows = pairs // self.top_k
+            gate, up = torch.nn.functional.linear(x[rows], self.gate_up[e]).chunk(2, dim=-1)
+            y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, self.down[e])
+            out.index_add_(0, rows, y * weights[pairs, None])
+        return out
+
+
 class Rotary(nn.Module):
     """Rotary embedding on the first `rotary_dim` dims of each head (rotate-half layout).
 

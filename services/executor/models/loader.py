@@ -1,7 +1,8 @@
 """Load a Hugging Face checkpoint (safetensors, sharded or not, or PyTorch .bin) into radixflow's CausalLM.
 
-Checkpoint names follow transformers' Llama / Mistral / Qwen2 / Qwen3 / Qwen3_5 ForCausalLM (the dense
-ones share every name; Qwen3 adds q_norm / k_norm, Qwen2 q/k/v biases); Qwen3.5's multimodal
+Checkpoint names follow transformers' Llama / Mistral / Qwen2 / Qwen3 / Qwen3Moe / Qwen3_5 ForCausalLM (the
+dense ones share every name; Qwen3 adds q_norm / k_norm, Qwen2 q/k/v biases, Qwen3-MoE a router and
+experts per sparse layer, stacked here); Qwen3.5's multimodal
 checkpoints (`model.language_model.*`) load too, their vision tower and MTP head skipped. Projections
 that run back to back are fused here (q|k|v, gate|up, DeltaNet's qkv|z|b|a) so a step does fewer matmuls.
 """
@@ -63,8 +64,21 @@ def _remap(spec: ModelSpec, w: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         sd[dst + "input_norm.weight"] = w.pop(src + "input_layernorm.weight")
         sd[dst + "post_norm.weight"] = w.pop(src + "post_attention_layernorm.weight")
-        sd[dst + "mlp.gate_up.weight"] = torch.cat([w.pop(src + "mlp.gate_proj.weight"), w.pop(src + "mlp.up_proj.weight")])
-        sd[dst + "mlp.down.weight"] = w.pop(src + "mlp.down_proj.weight")
+        if i in spec.moe_layers:
+            m = src + "mlp."
+            sd[dst + "mlp.router.weight"] = w.pop(m + "gate.weight")
+            if m + "experts.gate_up_proj" in w:        # transformers 5's own stacked layout
+                sd[dst + "mlp.gate_up"], sd[dst + "mlp.down"] = w.pop(m + "experts.gate_up_proj"), \
+                    w.pop(m + "experts.down_proj")
+            else:                                       # the hub's: one module per expert
+                ex = [f"{m}experts.{e}." for e in range(spec.num_experts)]
+                sd[dst + "mlp.gate_up"] = torch.stack([torch.cat([w.pop(x + "gate_proj.weight"),
+                                                                  w.pop(x + "up_proj.weight")]) for x in ex])
+                sd[dst + "mlp.down"] = torch.stack([w.pop(x + "down_proj.weight") for x in ex])
+        else:
+            sd[dst + "mlp.gate_up.weight"] = torch.cat([w.pop(src + "mlp.gate_proj.weight"),
+                                                        w.pop(src + "mlp.up_proj.weight")])
+            sd[dst + "mlp.down.weight"] = w.pop(src + "mlp.down_proj.weight")
         if kind == "full_attention":
             a = src + "self_attn."
             sd[dst + "mixer.qkv.weight"] = torch.cat([w.pop(a + "q_proj.weight"), w.pop(a + "k_proj.weight"), w.pop(a + "v_proj.weight")])

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5")
 ROPE_TYPES = ("default", "mrope", "linear", "llama3", "yarn")
 
 # What `radixflow models` lists: per model_type, its transformers class, the tiny preset that tests it,
@@ -30,6 +30,9 @@ FAMILIES: dict[str, dict[str, str]] = {
               "notes": "Qwen2 / Qwen2.5: q/k/v biases; YaRN for long context; use_sliding_window refused"},
     "qwen3": {"class": "Qwen3ForCausalLM", "preset": "tiny-dense", "serves": _DENSE,
               "notes": "per-head q/k RMSNorm"},
+    "qwen3_moe": {"class": "Qwen3MoeForCausalLM", "preset": "tiny-moe", "serves": _DENSE,
+                  "notes": "Qwen3's attention, sparse MoE MLPs (top-k routing; a CPU step runs only the chosen "
+                           "experts, by torch's matmuls)"},
     "qwen3_5_text": {"class": "Qwen3_5ForCausalLM", "preset": "tiny-hybrid",
                      "serves": _DENSE + ", DeltaNet state checkpoints at prefix boundaries",
                      "notes": "Gated DeltaNet + gated full attention (hybrid); qwen3_5 checkpoints load their text part"},
@@ -66,6 +69,12 @@ class ModelSpec:
     # rotary scaling: its type and its parameters as (name, value) pairs (layers.inv_freq reads them)
     rope_type: str = "default"
     rope_scaling: tuple[tuple[str, float], ...] = ()
+    # Qwen3-MoE: the layers whose MLP is a sparse mixture of experts, each token through top_k of them
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     @property
     def attn_layers(self) -> list[int]:
@@ -134,9 +143,12 @@ class ModelSpec:
             lin_num_k_heads=cfg.get("linear_num_key_heads", 0), lin_num_v_heads=cfg.get("linear_num_value_heads", 0),
             lin_k_dim=cfg.get("linear_key_head_dim", 0), lin_v_dim=cfg.get("linear_value_head_dim", 0),
             conv_kernel=cfg.get("linear_conv_kernel_dim", 0), torch_dtype=str(dtype),
-            qk_norm=mt in ("qwen3", "qwen3_5_text"), qkv_bias=mt == "qwen2" or bias, o_bias=bias and mt != "qwen2",
+            qk_norm=mt in ("qwen3", "qwen3_moe", "qwen3_5_text"), qkv_bias=mt == "qwen2" or bias, o_bias=bias and mt != "qwen2",
             rope_type="default" if rope_type == "mrope" else rope_type,
-            rope_scaling=_scaling(rope_type, rope, cfg))
+            rope_scaling=_scaling(rope_type, rope, cfg), moe_layers=_moe_layers(mt, cfg, n),
+            num_experts=cfg.get("num_experts", 0) if mt == "qwen3_moe" else 0,
+            experts_per_token=cfg.get("num_experts_per_tok", 0), moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
 
 
 _SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "beta_fast",
@@ -151,3 +163,12 @@ def _scaling(rope_type: str, rope: dict[str, Any], cfg: dict[str, Any]) -> tuple
         sc.setdefault("original_max_position_embeddings", float(cfg.get("max_position_embeddings", 32768)))
         sc.setdefault("factor", cfg.get("max_position_embeddings", 32768) / sc["original_max_position_embeddings"])
     return tuple(sorted(sc.items()))
+
+
+def _moe_layers(mt: str, cfg: dict[str, Any], n: int) -> tuple[int, ...]:
+    """Qwen3-MoE's sparse layers, as transformers picks them: every decoder_sparse_step-th layer
+    not named in mlp_only_layers."""
+    if mt != "qwen3_moe" or not cfg.get("num_experts"):
+        return ()
+    step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+    return tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)

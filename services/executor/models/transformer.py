@@ -1,4 +1,5 @@
-"""The causal LM: embedding, pre-norm decoder blocks (attention or Gated DeltaNet, then SwiGLU), norm, head."""
+"""The causal LM: embedding, pre-norm decoder blocks (attention or Gated DeltaNet, then SwiGLU or a mixture
+of SwiGLU experts), norm, head."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -9,7 +10,7 @@ from torch import nn
 from ..forward_batch import ForwardBatch
 from .attention import Attention
 from .deltanet import GatedDeltaNet
-from .layers import MLP, RMSNorm, Rotary
+from .layers import MLP, MoE, RMSNorm, Rotary
 from .spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -17,11 +18,12 @@ if TYPE_CHECKING:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, kind: str, rotary: Rotary):
+    def __init__(self, spec: ModelSpec, kind: str, rotary: Rotary, sparse: bool = False):
         super().__init__()
         self.kind = kind
         self.mixer = Attention(spec, rotary) if kind == "full_attention" else GatedDeltaNet(spec)
-        self.mlp = MLP(spec.hidden_size, spec.intermediate_size)
+        self.mlp = MoE(spec.hidden_size, spec.moe_intermediate_size, spec.num_experts, spec.experts_per_token,
+                       spec.norm_topk_prob) if sparse else MLP(spec.hidden_size, spec.intermediate_size)
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.zero_centered_norm)
         self.post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.zero_centered_norm)
 
@@ -47,7 +49,8 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(spec.rotary_dim, spec.rope_theta, spec.max_position_embeddings, spec.rope_type,
                              dict(spec.rope_scaling))
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, t, self.rotary) for t in spec.layer_types)
+        self.layers = nn.ModuleList(DecoderLayer(spec, t, self.rotary, i in spec.moe_layers)
+                                    for i, t in enumerate(spec.layer_types))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.zero_centered_norm)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         # per layer: its index into the KV pool (attention) or the state pool (DeltaNet)
