@@ -67,6 +67,8 @@ class ExecutorConfig:
                                       # ("tokenizer": masks keep its next token alone; spelling.py)
     overlap: bool = True              # radix exchanges travel while a step computes (engine.EngineConfig.overlap)
     disable_radix_cache: bool = False
+    sampling_defaults: str = "model"  # model: generation_config.json's temperature, top_p, ... for fields a request
+                                      # leaves unset (vLLM's and SGLang's default); openai: the API's own defaults
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,9 @@ def _serving_args(p: argparse.ArgumentParser) -> None:
                         "step also carrying one token of every decoding request (default 2048; 0: off)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--disable-radix-cache", action="store_true", default=None)
+    p.add_argument("--sampling-defaults", choices=("model", "openai"), default=None,
+                   help="sampling fields a request leaves unset: the model's generation_config.json (model, the "
+                        "default) or the API's own (openai: temperature 1, top_p 1, ...)")
     p.add_argument("--disable-overlap", action="store_true", default=None,
                    help="wait for each step's exchange with radix before computing (default: it travels while "
                         "the step computes, and its admissions join the next step)")
@@ -87,6 +90,7 @@ def _overrides(a: argparse.Namespace) -> dict:
                 ex_max_prefill_tokens=a.max_prefill_tokens,
                 ex_mixed_chunk_tokens=a.mixed_chunk_tokens, ex_max_model_len=a.max_model_len,
                 ex_disable_radix_cache=a.disable_radix_cache, ex_state_slots=a.state_slots,
+                ex_sampling_defaults=a.sampling_defaults,
                 ex_decode_reserve=a.decode_reserve,
                 ex_overlap=False if a.disable_overlap else None,
                 ex_checkpoint_interval=a.checkpoint_interval, gw_host=a.host, gw_port=a.port,

@@ -33,6 +33,7 @@ from radixflow.shared.messages import (AbortRequest, CacheHints, ExecAccepted, E
 from .engine import Engine, EngineConfig
 from .grammars import GrammarStore
 from .memory import realized
+from .models.spec import sampling_defaults
 from .pages import RemotePages
 
 
@@ -52,6 +53,7 @@ class ExecutorService(Actor):
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="executor-compute")
         self._outbox: asyncio.Queue[list[tuple[str, SeqOutput]]] = asyncio.Queue()
         self.model_name = config.served_model_name or os.path.basename(os.path.normpath(config.model))
+        self.sampling_defaults = sampling_defaults(config.model) if config.sampling_defaults == "model" else {}
         self.route(subjects.executor_submit(self.instance), ExecRequest, self.submit)
         self.route(subjects.executor_abort(self.instance), AbortRequest, self.abort, drain_last=True)
         self.route(subjects.executor_hints(self.instance), CacheHints, self.hints, drain_last=True)
@@ -275,7 +277,7 @@ class ExecutorService(Actor):
         return ExecutorInfo(model=self.model_name, max_model_len=e.max_model_len if e else 0,
                             vocab_size=e.spec.vocab_size if e else 0, running=e.num_running if e else 0,
                             waiting=e.num_waiting if e else 0, page_size=e.page_size if e else self.cfg.page_size,
-                            draining=self.draining)
+                            draining=self.draining, sampling_defaults=self.sampling_defaults)
 
     def heartbeat_detail(self) -> dict:
         import msgspec

@@ -126,6 +126,13 @@ class EngineClient:
         now = time.monotonic()
         return [i for i, t in self._schedulers.items() if now - t <= self.scheduler_timeout_s]
 
+    def sampling_defaults(self, model: str | None = None) -> dict[str, float]:
+        """The served model's generation_config.json sampling fields (its executors' heartbeats
+        carry them): `model` by name, or the one served."""
+        infos = self.models()
+        info = next((i for i in infos if i.model == model), infos[0] if infos else None)
+        return info.sampling_defaults if info is not None else {}
+
     def models(self) -> list[ExecutorInfo]:
         now = time.monotonic()
         seen: dict[str, ExecutorInfo] = {}

@@ -50,8 +50,9 @@ def _per(v: Any, i: int, n: int, name: str) -> Any:
     return v[i]
 
 
-def requests_of(body: P.GenerateBody) -> list[tuple[GenerateRequest, dict]]:
-    """One GenerateRequest per prompt, each with its logprob options (SGLang's batch form)."""
+def requests_of(body: P.GenerateBody, defaults: dict[str, float] | None = None) -> list[tuple[GenerateRequest, dict]]:
+    """One GenerateRequest per prompt, each with its logprob options (SGLang's batch form); `defaults`:
+    the model's sampling defaults, for the fields a prompt's sampling_params leave unset."""
     if (body.text is None) == (body.input_ids is None):
         raise BadRequest("exactly one of text or input_ids is required", param="text")
     batch = isinstance(body.text, list) or bool(body.input_ids) and isinstance(body.input_ids[0], list)
@@ -77,7 +78,8 @@ def requests_of(body: P.GenerateBody) -> list[tuple[GenerateRequest, dict]]:
             rid = _per(body.rid, i, n, "rid") if body.rid is not None else new_rid()
         req = GenerateRequest(rid=rid, stream_subject="", text=p if isinstance(p, str) else None,
                               input_ids=p if isinstance(p, list) else None,
-                              sampling=P.native_sampling(sp, logprobs=want, top=top), cache_salt=body.cache_salt,
+                              sampling=P.native_sampling(sp, logprobs=want, top=top, defaults=defaults),
+                              cache_salt=body.cache_salt,
                               stream=body.stream, constraint=P.native_constraint(sp), n=sp.n,
                               logprob_start=start if want else -1)
         out.append((req, {"logprob": want, "start": start, "top": top, "n": sp.n}))
@@ -88,7 +90,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     check_open(request)
     who = principal(request)
     body: P.GenerateBody = P.decode_body(await request.read(), P.GenerateBody)
-    reqs = requests_of(body)
+    reqs = requests_of(body, request.app[CLIENT].sampling_defaults())
     check_batch([r for r, _ in reqs], "text")
     for req, _ in reqs:
         request_for(request, who, req)

@@ -89,7 +89,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     for p in prompts:
         req = GenerateRequest(rid=new_rid(), stream_subject="", cache_salt=body.cache_salt,
                               text=p if isinstance(p, str) else None, input_ids=p if isinstance(p, list) else None,
-                              sampling=P.openai_sampling(body, body.max_tokens, 16, logprobs=want, top=body.logprobs or 0),
+                              sampling=P.openai_sampling(body, body.max_tokens, 16, logprobs=want, top=body.logprobs or 0,
+                                                         defaults=request.app[CLIENT].sampling_defaults(model)),
                               stream=body.stream, constraint=P.openai_constraint(body), n=body.n,
                               logprob_start=0 if body.echo and want else -1)
         request_for(request, who, req)
@@ -150,7 +151,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = GenerateRequest(rid=new_rid(), stream_subject="", cache_salt=body.cache_salt,
                           messages=P.chat_messages(body),
                           sampling=P.openai_sampling(body, max_tokens, 1024, logprobs=body.logprobs,
-                                                     top=body.top_logprobs or 0),
+                                                     top=body.top_logprobs or 0,
+                                                     defaults=request.app[CLIENT].sampling_defaults(model)),
                           stream=body.stream, constraint=P.openai_constraint(body), n=body.n)
     request_for(request, who, req)
     check_request(req)

@@ -19,10 +19,11 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class NativeSampling(_Body, kw_only=True):
     """SGLang's sampling_params (the subset radixflow serves)."""
     max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
+    # None: the model's default (generation_config.json), else the API's (_sampled)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     sampling_seed: int | None = None
     stop: str | list[str] | None = None
@@ -32,7 +33,7 @@ class NativeSampling(_Body, kw_only=True):
     n: int = 1
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     no_stop_trim: bool = False
     # sent by SGLang's frontend with every gen; only their defaults are served
@@ -81,8 +82,8 @@ class ResponseFormat(_Body, kw_only=True):
 class _OpenAIBase(_Body, kw_only=True):
     model: str
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = None     # None: the model's default, else the API's (_sampled)
+    top_p: float | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -93,9 +94,9 @@ class _OpenAIBase(_Body, kw_only=True):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions accepted by vLLM and SGLang
-    repetition_penalty: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
@@ -166,27 +167,42 @@ def logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
-def native_sampling(s: NativeSampling, logprobs: bool = False, top: int = 0) -> SamplingParams:
+# the API's defaults, for a field neither the request nor the model's generation_config.json sets
+API_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def _sampled(body, defaults: dict[str, float]) -> dict:
+    """temperature, top_p, top_k, min_p and repetition_penalty: the request's where it sets them,
+    else the model's (generation_config.json, as vLLM and SGLang serve it), else the API's."""
+    out = {}
+    for k, api in API_DEFAULTS.items():
+        v = getattr(body, k)
+        out[k] = v if v is not None else type(api)(defaults.get(k, api))
+    return out
+
+
+def native_sampling(s: NativeSampling, logprobs: bool = False, top: int = 0,
+                    defaults: dict[str, float] | None = None) -> SamplingParams:
     _unsupported(s.no_stop_trim, "no_stop_trim", "no_stop_trim")
     _unsupported(s.min_new_tokens != 0, "min_new_tokens other than 0", "min_new_tokens")
     _unsupported(bool(s.stop_regex), "stop_regex", "stop_regex")
     _unsupported(not s.spaces_between_special_tokens, "spaces_between_special_tokens: false",
                  "spaces_between_special_tokens")
-    return SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                          min_p=s.min_p, seed=s.seed if s.seed is not None else s.sampling_seed, stop=_stops(s.stop),
+    return SamplingParams(max_new_tokens=s.max_new_tokens, **_sampled(s, defaults or {}),
+                          seed=s.seed if s.seed is not None else s.sampling_seed, stop=_stops(s.stop),
                           stop_token_ids=s.stop_token_ids or [], ignore_eos=s.ignore_eos,
                           skip_special_tokens=s.skip_special_tokens, presence_penalty=s.presence_penalty,
-                          frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
+                          frequency_penalty=s.frequency_penalty,
                           logit_bias=logit_bias(s.logit_bias), logprobs=logprobs, top_logprobs=top)
 
 
 def openai_sampling(b: _OpenAIBase, max_tokens: int | None, default_max: int, logprobs: bool = False,
-                    top: int = 0) -> SamplingParams:
-    return SamplingParams(max_new_tokens=default_max if max_tokens is None else max_tokens, temperature=b.temperature,
-                          top_p=b.top_p, top_k=b.top_k, min_p=b.min_p, seed=b.seed, stop=_stops(b.stop),
+                    top: int = 0, defaults: dict[str, float] | None = None) -> SamplingParams:
+    return SamplingParams(max_new_tokens=default_max if max_tokens is None else max_tokens,
+                          **_sampled(b, defaults or {}), seed=b.seed, stop=_stops(b.stop),
                           stop_token_ids=b.stop_token_ids or [], ignore_eos=b.ignore_eos,
                           skip_special_tokens=b.skip_special_tokens, presence_penalty=b.presence_penalty,
-                          frequency_penalty=b.frequency_penalty, repetition_penalty=b.repetition_penalty,
+                          frequency_penalty=b.frequency_penalty,
                           logit_bias=logit_bias(b.logit_bias), logprobs=logprobs, top_logprobs=top)
 
 

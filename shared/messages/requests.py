@@ -268,6 +268,9 @@ class ExecutorInfo(Msg):
     waiting: int
     page_size: int = 16
     draining: bool = False            # shutting down: finishes what it has, takes nothing new
+    # the model's own sampling defaults (generation_config.json: temperature, top_p, top_k, min_p,
+    # repetition_penalty), for the request fields a client leaves unset; empty with --sampling-defaults openai
+    sampling_defaults: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- grammar

@@ -151,6 +151,22 @@ class ModelSpec:
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
 
 
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(path: str) -> dict[str, float]:
+    """The sampling fields a checkpoint's generation_config.json sets (Qwen's chat models: temperature
+    0.7, top_p 0.8, top_k 20, repetition_penalty 1.05), to serve requests that leave them unset, as
+    vLLM and SGLang do."""
+    try:
+        with open(os.path.join(path, "generation_config.json")) as f:
+            gen = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {k: float(gen[k]) for k in SAMPLING_KEYS if isinstance(gen.get(k), (int, float))
+            and not isinstance(gen.get(k), bool)}
+
+
 _SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "beta_fast",
                  "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
 
