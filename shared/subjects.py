@@ -101,5 +101,5 @@ def program_op(instance: str, op: str) -> str:
     return f"rf.scheduler.{instance}.program.{op}"
 
 
-# A stream's subject is under its reader's inbox prefix (bus.InboxStream): `_INBOX.<service>.rf.<token>`
+# A stream's subject is under its reader's inbox prefix (inbox.InboxStream): `_INBOX.<service>.rf.<token>`
 # for a service (shared/creds.py), `_INBOX.rf.<token>` for a client on nats-py's default prefix.

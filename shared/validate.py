@@ -61,7 +61,7 @@ def one_constraint(json_schema: str | None = None, regex: str | None = None, ebn
 
 
 def check_stream_subject(subject: str, param: str = "stream_subject") -> None:
-    """A stream goes to its reader's inbox (bus.InboxStream) and nowhere else: not a service's
+    """A stream goes to its reader's inbox (inbox.InboxStream) and nowhere else: not a service's
     subject (NATS would refuse the scheduler's publish there anyway: shared/creds.py), not a wildcard."""
     if subject and (not subject.startswith("_INBOX.") or any(c in subject for c in "*> \t\r\n")
                     or len(subject) > 256):

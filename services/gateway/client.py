@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from radixflow.shared import ids as ids_, subjects
-from radixflow.shared.bus import Bus, InboxStream
+from radixflow.shared.bus import Bus
+from radixflow.shared.inbox import InboxStream
 from radixflow.shared.errors import NotFound, RadixflowError, RequestLost, RequestTimeout, ServiceUnavailable, StreamGap, from_reply
 from radixflow.shared.messages import (AbortRequest, Accepted, DetokenizeReply, DetokenizeRequest, DetokItem, LiveQuery,
                                        LiveReply,

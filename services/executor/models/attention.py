@@ -32,7 +32,7 @@ class Attention(nn.Module):
         T = x.shape[0]
         qkv = batch.kernels.linear(x, self.qkv.weight)
         if self.qkv.bias is not None:
-            qkv = qkv + self.qkv.bias
+            qkv.add_(self.qkv.bias)          # in place: qkv is the matmul's own output
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.gated:
             # per head the checkpoint lays out [query (D) | gate (D)]
@@ -55,7 +55,7 @@ class Attention(nn.Module):
         if self.gated:
             o = o * torch.sigmoid(gate)
         out = batch.kernels.linear(o, self.o.weight)
-        return out if self.o.bias is None else out + self.o.bias
+        return out if self.o.bias is None else out.add_(self.o.bias)
 
     def _attend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         ops = batch.kernels
