@@ -85,8 +85,6 @@ def _config(models, preset: str, **changes) -> dict:
 
 
 @pytest.mark.parametrize("preset,changes,match", [
-    ("tiny-mistral", {"sliding_window": 4096}, "sliding-window attention"),
-    ("tiny-qwen2", {"use_sliding_window": True, "sliding_window": 4096}, "sliding-window attention"),
     ("tiny-llama", {"mlp_bias": True}, "MLP biases"),
     ("tiny-llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}}, "dynamic"),
     ("tiny-llama", {"model_type": "gpt2"}, "unsupported model_type"),
@@ -118,9 +116,42 @@ def test_yarn_scaled_model_decodes_as_transformers(models, tmp_path):
     assert got == want[0, len(ids):].tolist()
 
 
-def test_a_window_no_shorter_than_the_context_is_no_window(models):
-    spec = ModelSpec.from_config(_config(models, "tiny-mistral", sliding_window=32768))
-    assert spec.layer_types == ("full_attention",) * spec.num_layers
+def test_sliding_windows_are_read_per_layer_as_transformers_applies_them(models):
+    assert ModelSpec.from_dir(models["tiny-mistral"]).layer_windows == (48,) * 4
+    assert ModelSpec.from_config(_config(models, "tiny-mistral", sliding_window=32768)).layer_windows == ()
+    assert ModelSpec.from_config(_config(models, "tiny-mistral", sliding_window=None)).layer_windows == ()
+    # Qwen2's window only with use_sliding_window, from max_window_layers on
+    assert ModelSpec.from_config(_config(models, "tiny-qwen2", sliding_window=64)).layer_windows == ()
+    qwen2 = _config(models, "tiny-qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=2)
+    del qwen2["layer_types"]
+    assert ModelSpec.from_config(qwen2).layer_windows == (0, 0, 64, 64)
+    assert ModelSpec.from_config(_config(models, "tiny-moe", use_sliding_window=True, sliding_window=64)
+                                 ).layer_windows == (64,) * 4
+
+
+def test_a_window_on_some_layers_decodes_as_transformers(models, tmp_path):
+    """Qwen2 with use_sliding_window on its last two layers (a 24-token window, shorter than the
+    cached prefix): the engine's greedy tokens equal transformers' `generate`, the prefix reused."""
+    import shutil
+    from transformers import AutoModelForCausalLM
+    path = tmp_path / "windowed"
+    shutil.copytree(models["tiny-qwen2"], path)
+    cfg = _config(models, "tiny-qwen2", use_sliding_window=True, sliding_window=24, max_window_layers=2)
+    del cfg["layer_types"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert ModelSpec.from_dir(str(path)).layer_windows == (0, 0, 24, 24)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    base = _prompt(5, 70)
+    prompts = {"a": base + _prompt(6, 9), "b": base + _prompt(7, 40)}
+    want = {}
+    for rid, p in prompts.items():
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+        want[rid] = out[0, len(p):].tolist()
+    engine = Engine(EngineConfig(model=str(path), page_size=16, max_total_tokens=4096, max_running_requests=4))
+    assert _run(engine, {"a": prompts["a"]}, 8) == {"a": want["a"]}
+    assert _run(engine, {"b": prompts["b"]}, 8) == {"b": want["b"]}
+    assert engine.stats()["cached_tokens_total"] >= 64
 
 
 def test_qwen2_biases_and_llama_tied_head_are_loaded(models):

@@ -262,12 +262,17 @@ def page_slots(L, gen):
     return (pages[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)[:L]
 
 
-def dense_attention(q, k, v, q_pos, scale):
-    """Explicit softmax attention. q [E, Hq, D] at absolute positions q_pos, k/v [L, Hkv, D] contiguous."""
+def dense_attention(q, k, v, q_pos, scale, window: int = 0):
+    """Explicit softmax attention. q [E, Hq, D] at absolute positions q_pos, k/v [L, Hkv, D] contiguous;
+    with a sliding window, key j is seen by query i only if i - window < j."""
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # [L, Hq, D]
     s = torch.einsum("ehd,lhd->hel", q, k) * scale
-    s = s.masked_fill(torch.arange(k.shape[0])[None, None, :] > q_pos[None, :, None], float("-inf"))
+    j = torch.arange(k.shape[0])[None, None, :]
+    hidden = j > q_pos[None, :, None]
+    if window:
+        hidden = hidden | (j <= q_pos[None, :, None] - window)
+    s = s.masked_fill(hidden, float("-inf"))
     return torch.einsum("hel,lhd->ehd", s.softmax(-1), v)
 
 
@@ -286,6 +291,50 @@ def test_prefill_attention_paged_equals_dense(prefix, E):
     o = prefill_attention(q, k_cache, v_cache, slots, prefix, scale)
     assert o.shape == (E, HQ, D)
     close(o, dense_attention(q, k, v, torch.arange(prefix, L), scale))
+
+
+@pytest.mark.parametrize("prefix,E,window", [(0, 37, 8), (50, 37, 16), (60, 1, 16), (10, 5, 64), (100, 200, 33)])
+def test_prefill_attention_under_a_sliding_window_equals_dense(prefix, E, window):
+    """Mistral's window: fresh prompts longer than it, a chunk after a cached prefix, one token,
+    a context inside the window (nothing hidden)."""
+    gen = torch.Generator().manual_seed(prefix + E + window)
+    L = prefix + E
+    k_cache, v_cache = (torch.randn(PAGES * PAGE, HKV, D, generator=gen) for _ in range(2))
+    k, v = (torch.randn(L, HKV, D, generator=gen) for _ in range(2))
+    q = torch.randn(E, HQ, D, generator=gen)
+    slots = page_slots(L, gen)
+    write_kv(k_cache, v_cache, slots, k, v)
+    o = prefill_attention(q, k_cache, v_cache, slots, prefix, D**-0.5, window)
+    close(o, dense_attention(q, k, v, torch.arange(prefix, L), D**-0.5, window))
+
+
+def test_decode_under_a_sliding_window_reads_each_rows_last_slots():
+    """ForwardBatch.windowed clips a padded slot table to each row's last `window` slots: decode
+    attention over it equals dense attention under the window (rows shorter and longer than it)."""
+    from radixflow.services.executor.forward_batch import ForwardBatch
+    gen = torch.Generator().manual_seed(12)
+    lens, window = [1, 7, 33, 100], 16
+    k_cache, v_cache = (torch.randn(PAGES * PAGE, HKV, D, generator=gen) for _ in range(2))
+    perm = torch.randperm(PAGES * PAGE, generator=gen)
+    table = torch.full((len(lens), max(lens)), -1, dtype=torch.int64)
+    kvs, start = [], 0
+    for n, L in enumerate(lens):
+        slots = perm[start: start + L]
+        start += L
+        k, v = (torch.randn(L, HKV, D, generator=gen) for _ in range(2))
+        write_kv(k_cache, v_cache, slots, k, v)
+        table[n, :L] = slots
+        kvs.append((k, v))
+    empty = torch.empty(0, dtype=torch.int64)
+    fb = ForwardBatch(is_decode=True, input_ids=empty, positions=empty, out_slots=empty, prefix_lens=[],
+                      extend_lens=[], seq_slots=[], state_slots=empty, logits_rows=empty, slot_table=table,
+                      seq_lens=torch.tensor(lens))
+    clipped, clipped_lens = fb.windowed(window)
+    assert clipped.shape == (4, window) and clipped_lens.tolist() == [1, 7, 16, 16]
+    q = torch.randn(len(lens), HQ, D, generator=gen)
+    o = decode_attention(q, k_cache, v_cache, clipped, clipped_lens, 0.125)
+    for n, (L, (k, v)) in enumerate(zip(lens, kvs)):
+        close(o[n], dense_attention(q[n: n + 1], k, v, torch.tensor([L - 1]), 0.125, window)[0])
 
 
 def test_decode_attention_padded_batch():

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from radixflow.services.modelgen.make import make_model, make_weights
-from radixflow.services.modelgen.presets import PRESETS, hf_config
+from radixflow.services.modelgen.presets import PRESETS, get_preset, hf_config
 from radixflow.services.tokenizer.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -117,7 +117,10 @@ def test_logit_scale_and_distant_context(loaded, name):
     g = torch.Generator().manual_seed(1234)
     ids = torch.randint(3, 8192, (1, 256), generator=g)
     changed = ids.clone()
-    changed[0, -201] = 3 + (int(ids[0, -201]) + 1000) % 8189  # 200 positions before the last one
+    # 200 positions before the last one; a sliding window (tiny-mistral's 48 over 4 layers reaches
+    # 188 back) moves it to just past one window, which only the stacked layers see across
+    far = 1 + (get_preset(name).sliding_window + 10 if get_preset(name).sliding_window else 200)
+    changed[0, -far] = 3 + (int(ids[0, -far]) + 1000) % 8189
     with torch.no_grad():
         logits = model(torch.cat([ids, changed])).logits.float()
     base, alt = logits[0, -1], logits[1, -1]

@@ -76,16 +76,22 @@ def _attend(ext, q, k, v, scale: float, q_pos, slots: torch.Tensor) -> tuple[tor
     return o, lse
 
 
-def extend_attention(q, k_cache, v_cache, bounds, seq_slots, prefix_lens, scale: float) -> torch.Tensor:
+def extend_attention(q, k_cache, v_cache, bounds, seq_slots, prefix_lens, scale: float, window: int = 0) -> torch.Tensor:
     """naive.extend_attention: each sequence's new tokens over its slots, read in place by attend_at
-    above (where the kernel does not take them, naive's, whose fresh prompts need no mask)."""
+    above (where the kernel does not take them, naive's, whose fresh prompts need no mask). Under a
+    sliding window the kernel takes a sequence whose new tokens all see the same keys (one token,
+    or a context within the window); naive's window mask the rest."""
     if _attend_ext(q, k_cache) is None or v_cache.dtype != q.dtype:
-        return naive.extend_attention(q, k_cache, v_cache, bounds, seq_slots, prefix_lens, scale)
+        return naive.extend_attention(q, k_cache, v_cache, bounds, seq_slots, prefix_lens, scale, window)
     o = torch.empty_like(q)
     for (s, e), slots, p in zip(bounds, seq_slots, prefix_lens):
         if len(slots) != p + e - s:
             raise ValueError(f"len(slots)={len(slots)} != prefix_len + E = {p} + {e - s}")
-        o[s:e] = attend_at(q[s:e], k_cache, v_cache, slots, scale, torch.arange(p, p + e - s))[0]
+        lo = max(0, p - window + 1) if window else 0
+        if window and e - s > 1 and p + e - s - lo > window:
+            o[s:e] = naive.prefill_attention(q[s:e], k_cache, v_cache, slots, p, scale, window)
+            continue
+        o[s:e] = attend_at(q[s:e], k_cache, v_cache, slots[lo:], scale, torch.arange(p - lo, p - lo + e - s))[0]
     return o
 
 

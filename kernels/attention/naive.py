@@ -47,8 +47,11 @@ def prefill_attention(
     slots: torch.Tensor,
     prefix_len: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of the E new tokens of one sequence over its whole context.
+    """Causal attention of the E new tokens of one sequence over its whole context (with a sliding
+    `window`, the new token at position i sees keys j with i - window < j <= i, as transformers'
+    sliding-window mask).
 
     The new tokens' K/V must already be in the pool (write_kv first).
 
@@ -58,6 +61,7 @@ def prefill_attention(
         slots: [L] int64, the slot of every token of the sequence in order, L = prefix_len + E
         prefix_len: tokens already cached before the new ones (prefix cache hit / earlier chunks)
         scale: softmax scale, usually D**-0.5
+        window: 0 for none
     Returns:
         o: [E, Hq, D] in q's dtype
     """
@@ -65,13 +69,14 @@ def prefill_attention(
     L = slots.shape[0]
     if L != prefix_len + E:
         raise ValueError(f"len(slots)={L} != prefix_len + E = {prefix_len} + {E}")
-    # in the serving dtype (a bf16 pool stays bf16), as cascade._attend_flash: SDPA's CPU kernel
-    # accumulates in fp32 whatever its inputs, and a 3,100-token causal prefill ran 2.5x faster
-    # than on upcast copies (as close to fp32 as transformers' bf16: test_model_parity)
-    dt = q.dtype if q.dtype == k_cache.dtype else torch.float32
-    k = k_cache.index_select(0, slots).to(dt).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-    v = v_cache.index_select(0, slots).to(dt).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-    qf = q.to(dt).transpose(0, 1).unsqueeze(0)  # [1, Hq, E, D]
+    lo = max(0, prefix_len - window + 1) if window else 0
+    if lo:
+        # keys before the first new token's window are seen by no new token
+        slots, prefix_len, L = slots[lo:], prefix_len - lo, L - lo
+    if window and L > window and E > 1:
+        pos = torch.arange(L, device=q.device)
+        qp = pos[prefix_len:, None]
+        return _sdpa(q, k_cache, v_cache, slots, (pos[None, :] <= qp) & (pos[None, :] > qp - window), False, scale)
     if prefix_len == 0:
         # square causal: SDPA's top-left aligned is_causal is exactly right and needs no mask
         mask, causal = None, True
@@ -80,8 +85,20 @@ def prefill_attention(
         # is_causal would align top-left (j <= i) and hide most of the prefix, so build the mask
         pos = torch.arange(L, device=q.device)
         mask, causal = pos[None, :] <= pos[prefix_len:, None], False  # [E, L] bool, True = attend
+    return _sdpa(q, k_cache, v_cache, slots, mask, causal, scale)
+
+
+def _sdpa(q, k_cache, v_cache, slots, mask, causal: bool, scale: float) -> torch.Tensor:
+    """q [E, Hq, D] over the keys at `slots` under mask [E, L] (True = attend) or causal."""
+    # in the serving dtype (a bf16 pool stays bf16), as cascade._attend_flash: SDPA's CPU kernel
+    # accumulates in fp32 whatever its inputs, and a 3,100-token causal prefill ran 2.5x faster
+    # than on upcast copies (as close to fp32 as transformers' bf16: test_model_parity)
+    dt = q.dtype if q.dtype == k_cache.dtype else torch.float32
+    k = k_cache.index_select(0, slots).to(dt).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+    v = v_cache.index_select(0, slots).to(dt).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+    qf = q.to(dt).transpose(0, 1).unsqueeze(0)  # [1, Hq, E, D]
     o = F.scaled_dot_product_attention(
-        qf, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=_gqa(Hq, k.shape[1])
+        qf, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=_gqa(q.shape[1], k.shape[1])
     )  # [1, Hq, E, D]
     return o[0].transpose(0, 1).to(q.dtype)
 
@@ -94,13 +111,15 @@ def extend_attention(
     seq_slots: list[torch.Tensor],
     prefix_lens: list[int],
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """prefill_attention for a packed batch of sequences: sequence i's new tokens are the rows
     bounds[i] = (start, end) of q [T, Hq, D], its keys seq_slots[i] (prefix_lens[i] cached, then
-    the new ones, already written). Returns o [T, Hq, D] in q's dtype."""
+    the new ones, already written); a sliding `window` as prefill_attention's. Returns o [T, Hq, D]
+    in q's dtype."""
     o = torch.empty_like(q)
     for (s, e), slots, p in zip(bounds, seq_slots, prefix_lens):
-        o[s:e] = prefill_attention(q[s:e], k_cache, v_cache, slots, p, scale)
+        o[s:e] = prefill_attention(q[s:e], k_cache, v_cache, slots, p, scale, window)
     return o
 
 

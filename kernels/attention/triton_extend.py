@@ -4,8 +4,8 @@ attending causally to itself and its cached prefix), and the shared-prefix (casc
 One kernel, `_attend_paged`, serves both. Sequence n owns the query rows cu_q[n] .. cu_q[n+1] of
 the packed batch (variable lengths, no padding between them) and the keys table[n, :key_lens[n]]
 (slots of the pool, in order). With CAUSAL its query i sits at position q_pos0[n] + i among those
-keys and sees keys j <= q_pos0[n] + i; without, it sees them all (a shared prefix: every query
-of the group comes after it).
+keys and sees keys j <= q_pos0[n] + i (and with a sliding WINDOW only j > q_pos0[n] + i - WINDOW);
+without, it sees them all (a shared prefix: every query of the group comes after it).
 
     grid (N, ceil(max q rows / BLOCK_M), Hkv): a program takes BLOCK_M query tokens x the G query
     heads of one kv head as one block of BLOCK_M * G rows, so each key tile it loads serves all of
@@ -35,7 +35,7 @@ BLOCK_N = 32          # keys per tile
 def _attend_paged(Q, K, V, CU_Q, TABLE, KEY_LENS, Q_POS0, O, LSE, scale,
                   stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tn,
                   stride_ot, stride_oh, stride_lt,
-                  G: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                  G: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                   DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     i_n, i_m, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -61,12 +61,15 @@ def _attend_paged(Q, K, V, CU_Q, TABLE, KEY_LENS, Q_POS0, O, LSE, scale,
         last = tl.minimum(q_len, (i_m + 1) * BLOCK_M) - 1
         hi = tl.minimum(key_len, pos0 + last + 1)
     hi = tl.where(i_m * BLOCK_M < q_len, hi, 0)                # a block past the sequence's rows: nothing
+    lo = 0
+    if WINDOW > 0:                                             # the block's first token's window starts here
+        lo = tl.maximum(pos0 + i_m * BLOCK_M - WINDOW + 1, 0)
 
     b_m = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
     b_acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)
     p_table = TABLE + i_n.to(tl.int64) * stride_tn
-    for start in range(0, hi, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         o_k = start + tl.arange(0, BLOCK_N)
         m_k = o_k < hi
         b_slot = tl.load(p_table + o_k, mask=m_k, other=0).to(tl.int64)                   # [BN]
@@ -80,6 +83,8 @@ def _attend_paged(Q, K, V, CU_Q, TABLE, KEY_LENS, Q_POS0, O, LSE, scale,
         visible = m_k[None, :]
         if CAUSAL:
             visible = visible & (o_k[None, :] <= q_pos[:, None])
+        if WINDOW > 0:
+            visible = visible & (o_k[None, :] > q_pos[:, None] - WINDOW)
         b_s = tl.where(visible, b_s, float("-inf"))
         b_m, b_l, b_acc = online_softmax(b_s, b_v, b_m, b_l, b_acc, PRECISION)
 
@@ -91,9 +96,10 @@ def _attend_paged(Q, K, V, CU_Q, TABLE, KEY_LENS, Q_POS0, O, LSE, scale,
 
 def attend_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_q: torch.Tensor,
                  table: torch.Tensor, key_lens: torch.Tensor, q_pos0: torch.Tensor, causal: bool,
-                 scale: float, max_q: int, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 scale: float, max_q: int, out_dtype: torch.dtype | None = None,
+                 window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D] packed by cu_q [N+1]; table [N, Lmax] key slots, key_lens [N], q_pos0 [N] (see
-    the module docstring); max_q: the longest sequence's rows. Returns o [T, Hq, D] in out_dtype
+    the module docstring); max_q: the longest sequence's rows; window: a causal sliding window (0 none). Returns o [T, Hq, D] in out_dtype
     (default q's) and lse [T, Hq] fp32 (-inf for a row that sees no key; its o is 0)."""
     T, Hq, D = q.shape
     Hkv = k_cache.shape[1]
@@ -118,7 +124,7 @@ def attend_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q, k_cache, v_cache, ints[0], table, ints[1], ints[2], o, lse, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         table.stride(0), o.stride(0), o.stride(1), lse.stride(0),
-        G=G, D=D, CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+        G=G, D=D, CAUSAL=causal, WINDOW=window, BLOCK_M=BLOCK_M, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
         DOT_FP32=dot_fp32, PRECISION="ieee" if dot_fp32 else "tf32",
         num_warps=8 if BLOCK_M * BLOCK_G * BLOCK_D >= 32768 else 4)
     return o, lse
@@ -133,12 +139,12 @@ def _table(slot_lists: list[torch.Tensor], dev) -> tuple[torch.Tensor, torch.Ten
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bounds: list[tuple[int, int]],
-                     seq_slots: list[torch.Tensor], prefix_lens: list[int], scale: float) -> torch.Tensor:
+                     seq_slots: list[torch.Tensor], prefix_lens: list[int], scale: float, window: int = 0) -> torch.Tensor:
     """naive.extend_attention: every sequence's chunk in one launch."""
     table, key_lens = _table(seq_slots, q.device)
     cu = torch.tensor([0] + [e for _, e in bounds], dtype=torch.int32)
     o, _ = attend_paged(q, k_cache, v_cache, cu, table, key_lens, torch.tensor(prefix_lens, dtype=torch.int32),
-                        True, scale, max((e - s for s, e in bounds), default=0))
+                        True, scale, max((e - s for s, e in bounds), default=0), window=window)
     return o
 
 

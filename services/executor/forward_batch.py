@@ -63,6 +63,7 @@ class ForwardBatch:
     kernels: Kernels = REFERENCE
     _singles: tuple | None = None
     _pieces: tuple | None = None
+    _windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -90,6 +91,18 @@ class ForwardBatch:
             slots = self.state_slots[rest].tolist() if rest else []
             self._pieces = ([bounds[i] for i in rest], slots, [self.taps.get(i, []) for i in rest])
         return self._pieces
+
+    def windowed(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode under a sliding window: slot_table clipped to each row's last `window` slots (left
+        aligned, as the decode kernels read a row) and the clipped lengths. Once per step per window
+        (every windowed layer asks)."""
+        if window not in self._windowed:
+            table, lens = self.slot_table, self.seq_lens
+            width = min(window, table.shape[1])
+            start = (lens - window).clamp(min=0)
+            cols = (start[:, None] + torch.arange(width, device=table.device)[None, :]).clamp(max=table.shape[1] - 1)
+            self._windowed[window] = (table.gather(1, cols), lens.clamp(max=window))
+        return self._windowed[window]
 
     def bounds(self) -> list[tuple[int, int]]:
         """[start, end) of each sequence's rows in the packed axis."""

@@ -243,8 +243,8 @@ class ModelRunner(DraftVerify):
         # a shared prefix lies within what every member computed before this step; in a prefill
         # the new tokens are many and are better read together with the rest of their sequence by
         # one masked kernel, so no groups of one
-        fb.groups = shared_prefixes([s.pages for s in plan.seqs], [s.computed_len for s in plan.seqs],
-                                    self.kv.page_size, dev, singles=False)
+        fb.groups = [] if self.spec.layer_windows else shared_prefixes(
+            [s.pages for s in plan.seqs], [s.computed_len for s in plan.seqs], self.kv.page_size, dev, singles=False)
         return fb, want, lp
 
     def _build_decode(self, plan: Plan) -> ForwardBatch:
@@ -296,7 +296,9 @@ class ModelRunner(DraftVerify):
         # (a 1-row step over a 3,100-token prompt: 2.9 -> 2.6 ms, tiny-dense; a cache-off batch of
         # 39 lone rows was 39 calls and merges a layer)
         singles = not (self.kernels.name == "cpu" and cpu_ext.get() is not None)
-        groups = shared_prefixes([s.pages for s in seqs], [s.computed_len for s in seqs], ps, dev, singles=singles)
+        # a sliding window cuts into a shared prefix differently for every row: no cascade groups
+        groups = [] if self.spec.layer_windows else shared_prefixes(
+            [s.pages for s in seqs], [s.computed_len for s in seqs], ps, dev, singles=singles)
         fb.groups = [SharedPrefix(seqs=[r for i in g.seqs for r in rows_of[i]], slots=g.slots, start=g.start)
                      for g in groups]
         lens = [len(s) for s in seq_slots]

@@ -4,7 +4,7 @@ The presets share every size so that a test can swap one for another and only th
 ``tiny-dense`` is Qwen3 (all full attention), ``tiny-hybrid`` is Qwen3.5's text model (three Gated DeltaNet
 layers, then one gated full-attention layer with partial, multimodal-layout RoPE); ``tiny-llama`` (Llama
 3.2's shape: llama3 rope scaling, tied embeddings), ``tiny-qwen2`` (Qwen2.5's: q/k/v biases, tied) and
-``tiny-mistral`` (no q/k norm, untied, no window) are the dense decoders users bring most.
+``tiny-mistral`` (no q/k norm, untied, Mistral 7B v0.1's sliding window scaled down to 48 tokens) are the dense decoders users bring most.
 """
 from __future__ import annotations
 
@@ -53,6 +53,8 @@ class Preset:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     mlp_only_layers: tuple[int, ...] = ()
+    # Mistral: every layer attends over a sliding window of this many tokens (0: none)
+    sliding_window: int = 0
     # The tokenizer's <|endoftext|> and <|im_end|>: config.json's pad / eos, and the generation stops.
     endoftext_id: int = ENDOFTEXT_ID
     im_end_id: int = IM_END_ID
@@ -120,6 +122,8 @@ PRESETS |= {
     ),
     "tiny-mistral": Preset(
         name="tiny-mistral", model_type="mistral", architecture="MistralForCausalLM", qk_norm=False,
+        # shorter than the tests' prompts and cached prefixes, so that the window decides what is seen
+        sliding_window=48,
     ),
     # Qwen3-30B-A3B's routing (8 of 128 experts, renormalized) scaled down: 2 of 8; layer 0 dense, so
     # both MLP kinds run in one model
@@ -167,7 +171,7 @@ def hf_config(preset: str | Preset) -> dict[str, Any]:
     }
     if not p.is_hybrid:
         cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": p.rope_theta} | dict(p.rope_scaling)
-        cfg["sliding_window"] = None
+        cfg["sliding_window"] = p.sliding_window or None
         if p.model_type in ("qwen2", "qwen3"):
             cfg["use_sliding_window"] = False
             cfg["max_window_layers"] = p.num_hidden_layers

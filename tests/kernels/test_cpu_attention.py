@@ -190,6 +190,29 @@ def test_prefill_attention_by_the_kernel_matches_the_reference(built, dtype, mon
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_extend_attention_under_a_sliding_window_matches_the_reference(built, dtype):
+    """Mistral's window through cpu.extend_attention: the kernel takes what the window does not cut
+    per token (one token; a context inside the window), the masked reference the rest."""
+    _needs_prefill_kernel(dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    gen = torch.Generator().manual_seed(13)
+    Hq, Hkv, D, window = 4, 2, 64, 48
+    kc, vc = (torch.randn(2000, Hkv, D, generator=gen).to(dtype) for _ in range(2))
+    perm = torch.randperm(2000, generator=gen)
+    lens, prefix, seq_slots, bounds, at, used = [(0, 150), (90, 40), (300, 1), (10, 20)], [], [], [], 0, 0
+    for p, e in lens:
+        seq_slots.append(perm[used:used + p + e])
+        used += p + e
+        bounds.append((at, at + e))
+        at += e
+        prefix.append(p)
+    q = torch.randn(at, Hq, D, generator=gen).to(dtype)
+    got = attn_cpu.extend_attention(q, kc, vc, bounds, seq_slots, prefix, D ** -0.5, window)
+    want = attn_naive.extend_attention(q, kc, vc, bounds, seq_slots, prefix, D ** -0.5, window)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_shared_prefix_is_read_where_it_lies_in_the_pool(built, dtype, monkeypatch):
     """A group's prefix scattered over the pool (no contiguous run: start -1) is read by the kernel
     through its slots, never gathered (SharedPrefix.kv), in cascade prefill and decode alike; the

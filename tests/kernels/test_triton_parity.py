@@ -113,6 +113,20 @@ def test_extend_attention_matches_reference(specs, hq, hkv, d, page_size):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [1, 8, 40])
+def test_extend_attention_under_a_sliding_window_matches_reference(window):
+    """Mistral's window: chunks after cached prefixes longer and shorter than it, a fresh prompt
+    across it, one token."""
+    gen = torch.Generator().manual_seed(window)
+    specs = [(40, 63), (0, 50), (100, 1), (7, 30)]
+    num_pages = sum(-(-(p + e) // 16) for p, e in specs) + 3
+    q, kc, vc, bounds, seq_slots, prefix_lens = _packed(specs, num_pages, 16, 4, 2, 32, gen)
+    want = attn_ref.extend_attention(q, kc, vc, bounds, seq_slots, prefix_lens, 32 ** -0.5, window)
+    got = triton_extend.extend_attention(q, kc, vc, bounds, seq_slots, prefix_lens, 32 ** -0.5, window)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert not torch.allclose(want, attn_ref.extend_attention(q, kc, vc, bounds, seq_slots, prefix_lens, 32 ** -0.5))
+
+
 def test_cascade_prefill_matches_reference():
     """A prefix shared by part of the batch (sequences 0, 2, 3 share 48 tokens; 1 and 4 do not)."""
     gen = torch.Generator().manual_seed(5)

@@ -1,5 +1,6 @@
 """Full-attention layer over the paged KV pool (Qwen3 and Qwen3.5 norm q and k per head, Qwen3.5 adds an
-output gate; Llama, Mistral and Qwen2 do neither, Qwen2 adds q/k/v biases)."""
+output gate; Llama, Mistral and Qwen2 do neither, Qwen2 adds q/k/v biases). With a sliding window
+(Mistral) a query sees itself and the window - 1 keys before it."""
 from __future__ import annotations
 
 import torch
@@ -11,8 +12,9 @@ from .spec import ModelSpec
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, rotary: Rotary):
+    def __init__(self, spec: ModelSpec, rotary: Rotary, window: int = 0):
         super().__init__()
+        self.window = window
         self.h, self.hkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.gated = spec.attn_output_gate
         q_out = self.h * self.d * (2 if self.gated else 1)
@@ -59,6 +61,13 @@ class Attention(nn.Module):
 
     def _attend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         ops = batch.kernels
+        if self.window and batch.is_decode:
+            # a decode row's keys are its last `window` slots: the kernels read a clipped table
+            table, lens = batch.windowed(self.window)
+            return ops.decode_attention(q, k_cache, v_cache, table, lens, self.scale)
+        if self.window:     # the runner forms no cascade groups for a windowed model
+            return ops.extend_attention(q, k_cache, v_cache, batch.bounds(), batch.seq_slots, batch.prefix_lens,
+                                        self.scale, window=self.window)
         if batch.groups and batch.is_decode:
             return ops.cascade_decode(q, k_cache, v_cache, batch.own_table, batch.own_lens, batch.groups, self.scale)
         if batch.groups:

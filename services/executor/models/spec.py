@@ -2,8 +2,9 @@
 
 One implementation serves two families. The dense decoders differ only in small switches: Llama
 3.x (`llama`: no q/k norm, optional attention biases, llama3 / linear rope scaling), Mistral
-(`mistral`: Llama's shape; its sliding window is refused until the kernels mask by window), Qwen2 /
-Qwen2.5 (`qwen2`: q/k/v biases) and Qwen3 (`qwen3`: per-head q/k RMSNorm). The hybrid is Qwen3.5
+(`mistral`: Llama's shape, every layer over a sliding window when its config sets one), Qwen2 /
+Qwen2.5 (`qwen2`: q/k/v biases; a window on the layers from max_window_layers on, when
+use_sliding_window) and Qwen3 (`qwen3`: per-head q/k RMSNorm). The hybrid is Qwen3.5
 text (`qwen3_5_text`, or the text part of `qwen3_5`: Gated DeltaNet layers with a gated
 full-attention layer every few layers, zero-centered RMSNorm, partial rotary embedding).
 """
@@ -25,9 +26,9 @@ FAMILIES: dict[str, dict[str, str]] = {
     "llama": {"class": "LlamaForCausalLM", "preset": "tiny-llama", "serves": _DENSE,
               "notes": "Llama 3.x: llama3 rope scaling; attention_bias; tied or untied head"},
     "mistral": {"class": "MistralForCausalLM", "preset": "tiny-mistral", "serves": _DENSE,
-                "notes": "without a sliding window (v0.2 and later); a window shorter than the context is refused"},
+                "notes": "sliding-window attention (v0.1's 4096) or none (v0.2 and later); the window masks, every page is kept"},
     "qwen2": {"class": "Qwen2ForCausalLM", "preset": "tiny-qwen2", "serves": _DENSE,
-              "notes": "Qwen2 / Qwen2.5: q/k/v biases; YaRN for long context; use_sliding_window refused"},
+              "notes": "Qwen2 / Qwen2.5: q/k/v biases; YaRN for long context; use_sliding_window on the layers it names"},
     "qwen3": {"class": "Qwen3ForCausalLM", "preset": "tiny-dense", "serves": _DENSE,
               "notes": "per-head q/k RMSNorm"},
     "qwen3_moe": {"class": "Qwen3MoeForCausalLM", "preset": "tiny-moe", "serves": _DENSE,
@@ -75,6 +76,10 @@ class ModelSpec:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # sliding-window attention: per layer the keys a query sees (itself and the window - 1 before it),
+    # 0 for the whole context; empty when no layer has a window. The pool keeps every page: the
+    # window only masks (a windowed layer's pages before the window are never read)
+    layer_windows: tuple[int, ...] = ()
 
     @property
     def attn_layers(self) -> list[int]:
@@ -112,14 +117,6 @@ class ModelSpec:
             raise ValueError(f"rope_type {rope_type!r} is not supported (radixflow takes {', '.join(ROPE_TYPES)})")
         if cfg.get("mlp_bias"):
             raise ValueError("MLP biases (mlp_bias: true) are not supported")
-        window = cfg.get("sliding_window")
-        # Qwen2 and Qwen3 carry a window that applies only with use_sliding_window; Mistral's applies
-        # whenever set (v0.1: 4096; v0.2 and later: null). A window at least the context is no window.
-        windowed = cfg.get("use_sliding_window", mt == "mistral") and window is not None \
-            and window < cfg.get("max_position_embeddings", 32768)
-        if windowed and not hybrid:
-            raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported: every "
-                             "layer attends to the whole context here, which would change the model's outputs")
         bias = bool(cfg.get("attention_bias", False))
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25 if hybrid else 1.0))
@@ -148,7 +145,7 @@ class ModelSpec:
             rope_scaling=_scaling(rope_type, rope, cfg), moe_layers=_moe_layers(mt, cfg, n),
             num_experts=cfg.get("num_experts", 0) if mt == "qwen3_moe" else 0,
             experts_per_token=cfg.get("num_experts_per_tok", 0), moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), layer_windows=_windows(mt, cfg, n, hybrid))
 
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -188,3 +185,20 @@ def _moe_layers(mt: str, cfg: dict[str, Any], n: int) -> tuple[int, ...]:
         return ()
     step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
     return tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)
+
+
+def _windows(mt: str, cfg: dict[str, Any], n: int, hybrid: bool) -> tuple[int, ...]:
+    """Each layer's sliding window, as transformers applies them: Mistral's on every layer whenever
+    set (v0.1: 4096; v0.2 and later: null); Qwen2's and Qwen3's only with use_sliding_window, on the
+    layers that layer_types calls sliding_attention (by default those from max_window_layers on);
+    Qwen3-MoE's on every layer with use_sliding_window. A window at least the context is none."""
+    window = cfg.get("sliding_window")
+    on = cfg.get("use_sliding_window", mt == "mistral")
+    if hybrid or not on or not window or window >= cfg.get("max_position_embeddings", 32768):
+        return ()
+    if mt in ("qwen2", "qwen3"):
+        first = cfg.get("max_window_layers", n)
+        types = cfg.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+        windows = tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+        return windows if any(windows) else ()
+    return (int(window),) * n

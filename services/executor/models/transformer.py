@@ -18,10 +18,10 @@ if TYPE_CHECKING:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, kind: str, rotary: Rotary, sparse: bool = False):
+    def __init__(self, spec: ModelSpec, kind: str, rotary: Rotary, sparse: bool = False, window: int = 0):
         super().__init__()
         self.kind = kind
-        self.mixer = Attention(spec, rotary) if kind == "full_attention" else GatedDeltaNet(spec)
+        self.mixer = Attention(spec, rotary, window) if kind == "full_attention" else GatedDeltaNet(spec)
         self.mlp = MoE(spec.hidden_size, spec.moe_intermediate_size, spec.num_experts, spec.experts_per_token,
                        spec.norm_topk_prob) if sparse else MLP(spec.hidden_size, spec.intermediate_size)
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.zero_centered_norm)
@@ -49,7 +49,8 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(spec.rotary_dim, spec.rope_theta, spec.max_position_embeddings, spec.rope_type,
                              dict(spec.rope_scaling))
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, t, self.rotary, i in spec.moe_layers)
+        windows = spec.layer_windows or (0,) * spec.num_layers
+        self.layers = nn.ModuleList(DecoderLayer(spec, t, self.rotary, i in spec.moe_layers, windows[i])
                                     for i, t in enumerate(spec.layer_types))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.zero_centered_norm)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
