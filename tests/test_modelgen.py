@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from radixflow.services.modelgen.make import make_model, make_weights
-from radixflow.services.modelgen.presets import PRESETS, get_preset, hf_config
+from radixflow.services.modelgen.chat_formats import FORMATS
+from radixflow.services.modelgen.presets import PRESETS, added_tokens, get_preset, hf_config
 from radixflow.services.tokenizer.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -50,12 +51,22 @@ def test_files_present(model_dirs, name):
     for f in FILES:
         assert (d / f).is_file(), f
     gen = json.loads((d / "generation_config.json").read_text())
-    assert gen["eos_token_id"] == [2, 0] and gen["pad_token_id"] == 0
     tok_cfg = json.loads((d / "tokenizer_config.json").read_text())
-    assert tok_cfg["eos_token"] == "<|im_end|>" and tok_cfg["pad_token"] == "<|endoftext|>"
-    assert tok_cfg["bos_token"] is None
     tok = Tokenizer(d)
-    assert tok.vocab_size == 8192 and tok.eos_token_ids == {0, 2} and tok.special_ids == {0, 1, 2}
+    p = get_preset(name)
+    # the family's chat format adds its tokens after the BPE's 8,192 (chat_formats.py)
+    assert tok.vocab_size == p.vocab_size == 8192 + len(FORMATS[p.chat_format].added)
+    assert gen["pad_token_id"] == 0 and tok_cfg["pad_token"] == "<|endoftext|>"
+    if p.chat_format in ("chatml", "qwen2.5"):
+        assert gen["eos_token_id"] == [2, 0] and tok_cfg["eos_token"] == "<|im_end|>" and tok_cfg["bos_token"] is None
+        assert tok.eos_token_ids == {0, 2}
+    else:
+        stops = {tok._tok.convert_tokens_to_ids(t) for t in FORMATS[p.chat_format].stops}
+        assert set(gen["eos_token_id"]) == stops and tok.eos_token_ids == stops | {p.eos_id}
+        assert tok_cfg["bos_token"] == FORMATS[p.chat_format].bos
+        assert tok.encode(FORMATS[p.chat_format].bos) == [p.bos_id]        # one special token
+    added = [i for i, _, special in added_tokens(p) if special]
+    assert tok.special_ids == {0, 1, 2} | set(added)
 
 
 @pytest.mark.parametrize("name", PRESET_NAMES)

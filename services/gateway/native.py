@@ -200,6 +200,9 @@ class TokenizeBody(P._Body, kw_only=True):
     prompt: str | None = None                       # vLLM's name
     messages: list[P.ChatMessageBody] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[P.ToolBody] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True
     model: str | None = None
 
@@ -217,7 +220,7 @@ async def tokenize(request: web.Request) -> web.Response:
     bus = request.app[CLIENT].bus
     if body.messages is not None:
         msgs = P.chat_messages(P.ChatBody(model="", messages=body.messages))
-        req = EncodeRequest(messages=msgs, add_generation_prompt=body.add_generation_prompt)
+        req = EncodeRequest(messages=msgs, chat=P.chat_options(body))
     elif isinstance(text, list):
         req = EncodeRequest(texts=text)
     elif text is not None:

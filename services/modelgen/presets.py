@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .chat_formats import FORMATS
+
 # Token ids fixed by the shipped tokenizer (see train_tokenizer.SPECIAL_TOKENS).
 ENDOFTEXT_ID = 0
 IM_START_ID = 1
@@ -55,6 +57,9 @@ class Preset:
     mlp_only_layers: tuple[int, ...] = ()
     # Mistral: every layer attends over a sliding window of this many tokens (0: none)
     sliding_window: int = 0
+    # the family's chat template and the special tokens it adds after the BPE vocabulary (chat_formats.py);
+    # vocab_size counts them
+    chat_format: str = "chatml"
     # The tokenizer's <|endoftext|> and <|im_end|>: config.json's pad / eos, and the generation stops.
     endoftext_id: int = ENDOFTEXT_ID
     im_end_id: int = IM_END_ID
@@ -76,7 +81,18 @@ class Preset:
 
     @property
     def generation_eos_ids(self) -> list[int]:
-        return [self.im_end_id, self.endoftext_id]
+        if self.chat_format in ("chatml", "qwen2.5"):
+            return [self.im_end_id, self.endoftext_id]
+        return [token_id(self, t) for t in FORMATS[self.chat_format].stops]
+
+    @property
+    def bos_id(self) -> int | None:
+        bos = FORMATS[self.chat_format].bos
+        return None if bos is None else token_id(self, bos)
+
+    @property
+    def eos_id(self) -> int:
+        return self.im_end_id if self.chat_format in ("chatml", "qwen2.5") else token_id(self, FORMATS[self.chat_format].eos)
 
     @property
     def rotary_dim(self) -> int:
@@ -111,17 +127,18 @@ PRESETS: dict[str, Preset] = {
 PRESETS |= {
     "tiny-llama": Preset(
         name="tiny-llama", model_type="llama", architecture="LlamaForCausalLM", rope_theta=500000.0,
-        qk_norm=False, tie_word_embeddings=True,
+        qk_norm=False, tie_word_embeddings=True, chat_format="llama3", vocab_size=8192 + len(FORMATS["llama3"].added),
         # Llama 3.2's scaling: frequencies past an 8k-token wavelength slowed 32x, a band blended
         rope_scaling=(("rope_type", "llama3"), ("factor", 32.0), ("low_freq_factor", 1.0),
                       ("high_freq_factor", 4.0), ("original_max_position_embeddings", 8192)),
     ),
     "tiny-qwen2": Preset(
         name="tiny-qwen2", model_type="qwen2", architecture="Qwen2ForCausalLM", qk_norm=False, qkv_bias=True,
-        tie_word_embeddings=True,
+        tie_word_embeddings=True, chat_format="qwen2.5", vocab_size=8192 + len(FORMATS["qwen2.5"].added),
     ),
     "tiny-mistral": Preset(
         name="tiny-mistral", model_type="mistral", architecture="MistralForCausalLM", qk_norm=False,
+        chat_format="mistral", vocab_size=8192 + len(FORMATS["mistral"].added),
         # shorter than the tests' prompts and cached prefixes, so that the window decides what is seen
         sliding_window=48,
     ),
@@ -132,6 +149,21 @@ PRESETS |= {
         num_experts_per_tok=2, moe_intermediate_size=192, mlp_only_layers=(0,),
     ),
 }
+
+
+# the shipped BPE's size: a chat format's added tokens take the ids from here on
+BASE_VOCAB = 8192
+_BASE_SPECIALS = {"<|endoftext|>": ENDOFTEXT_ID, "<|im_start|>": IM_START_ID, "<|im_end|>": IM_END_ID}
+
+
+def added_tokens(p: Preset) -> list[tuple[int, str, bool]]:
+    """(id, text, special) of the tokens p's chat format adds after the BPE vocabulary."""
+    return [(BASE_VOCAB + i, t, special) for i, (t, special) in enumerate(FORMATS[p.chat_format].added)]
+
+
+def token_id(p: Preset, text: str) -> int:
+    ids = _BASE_SPECIALS | {t: i for i, t, _ in added_tokens(p)}
+    return ids[text]
 
 
 def get_preset(name: str) -> Preset:
@@ -164,8 +196,8 @@ def hf_config(preset: str | Preset) -> dict[str, Any]:
         "tie_word_embeddings": p.tie_word_embeddings,
         "use_cache": True,
         "layer_types": p.layer_types,
-        "bos_token_id": None,
-        "eos_token_id": p.im_end_id,
+        "bos_token_id": p.bos_id,
+        "eos_token_id": p.eos_id,
         "pad_token_id": p.endoftext_id,
         "dtype": "float32",
     }

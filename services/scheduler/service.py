@@ -22,7 +22,7 @@ from radixflow.shared.config import SchedulerConfig, ServiceConfig
 from radixflow.shared.errors import BadRequest, Overloaded, RadixflowError, RequestLost, RequestTimeout, ServiceUnavailable
 from radixflow.shared.histogram import Histogram
 from radixflow.shared.recent import Recent
-from radixflow.shared.messages import (AbortRequest, Accepted, Constraint,
+from radixflow.shared.messages import (AbortRequest, Accepted, ChatOptions, Constraint,
                                        EncodeReply, EncodeRequest, ExecAccepted, ExecRequest, ExecutorInfo,
                                        GenerateRequest, GrammarCompile, GrammarCompiled, Heartbeat, LiveQuery, LiveReply,
                                        ProgramQuery, ProgramRequest, RadixPlace, RadixPlaceReply, Resend, Sample,
@@ -198,8 +198,10 @@ class SchedulerService(OutputPath, Actor):
             self.detok.offer(info)
         return self._eos
 
-    async def encode(self, text: str | None = None, messages=None, texts: list[str] | None = None) -> EncodeReply:
-        return await self.bus.request(subjects.TOKENIZER_ENCODE, EncodeRequest(text=text, messages=messages, texts=texts),
+    async def encode(self, text: str | None = None, messages=None, texts: list[str] | None = None,
+                     chat: ChatOptions | None = None) -> EncodeReply:
+        return await self.bus.request(subjects.TOKENIZER_ENCODE,
+                                      EncodeRequest(text=text, messages=messages, texts=texts, chat=chat),
                                       EncodeReply, timeout=30, idempotent=True, attempt_s=5)
 
     async def compile(self, c: Constraint | None, tenant: str = "") -> tuple[str | None, OutputCheck | None]:
@@ -230,7 +232,7 @@ class SchedulerService(OutputPath, Actor):
         if req.input_ids is not None:
             ids = req.input_ids
         else:
-            ids = (await self.encode(text=req.text, messages=req.messages)).input_ids
+            ids = (await self.encode(text=req.text, messages=req.messages, chat=req.chat)).input_ids
             if not ids:
                 raise BadRequest("the prompt tokenizes to nothing", param="text")
         ticket = self.tenants.admit(req.tenant, req.limits, len(ids) + req.sampling.max_new_tokens * req.n,

@@ -13,8 +13,8 @@ from radixflow.shared.actor import Actor
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import ServiceConfig
 from radixflow.shared.errors import BadRequest
-from radixflow.shared.messages import (DetokenizeReply, DetokenizeRequest, DetokItem, DetokResult, EncodeReply,
-                                       EncodeRequest, StatusRequest, TokenizerInfo)
+from radixflow.shared.messages import (ChatOptions, DetokenizeReply, DetokenizeRequest, DetokItem, DetokResult,
+                                       EncodeReply, EncodeRequest, StatusRequest, TokenizerInfo)
 
 from .tokenizer import Tokenizer
 
@@ -57,8 +57,15 @@ class TokenizerService(Actor):
             msgs = [msgspec.to_builtins(m) for m in req.messages]
             for m in msgs:
                 m.pop("type", None)
+            opts = req.chat or ChatOptions()
+            kwargs = dict(opts.template_kwargs)
+            if opts.tools is not None:
+                kwargs["tools"] = opts.tools
+            if opts.continue_final_message:
+                kwargs["continue_final_message"] = True
             try:
-                ids = await loop.run_in_executor(self._pool, self.tok.encode_chat, msgs, req.add_generation_prompt)
+                ids = await loop.run_in_executor(
+                    self._pool, lambda: self.tok.encode_chat(msgs, opts.add_generation_prompt, **kwargs))
             except Exception as e:   # a template error is the caller's input, not our crash
                 raise BadRequest(f"chat template failed: {e}", param="messages") from None
         return EncodeReply(input_ids=ids)

@@ -87,13 +87,17 @@ class Tokenizer:
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+        """The checkpoint's chat template over messages, by transformers' own apply_chat_template (so a
+        template renders here as it does there); template_kwargs: tools, continue_final_message and
+        whatever else the template reads (enable_thinking, ...)."""
         return self._tok.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
         )
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
         # Rendering then encoding (rather than tokenize=True) because transformers 5 returns a BatchEncoding
-        # there, and because the template already spells out every special token it wants.
+        # there, and because the template already spells out every special token it wants (BOS included:
+        # no special tokens are added, as apply_chat_template(tokenize=True) adds none).
         return self.encode(self.render_chat(messages, add_generation_prompt, **template_kwargs))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

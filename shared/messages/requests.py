@@ -1,7 +1,7 @@
 """A request's path: gateway -> scheduler -> tokenizer, grammar -> executor, and its output stream."""
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
@@ -55,6 +55,18 @@ class ChatMessage(Msg):
     content: str
     tool_call_id: str | None = None   # a tool message: the call it answers (the chat template renders it)
     name: str | None = None
+    # an assistant turn's calls, as chat templates read them: {"id", "type": "function", "function":
+    # {"name", "arguments": an object}} (OpenAI sends arguments as a JSON string; the gateway parses it)
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatOptions(Msg):
+    """What a chat request's messages are rendered with: the checkpoint's chat template is given the
+    tools, the generation prompt or an open last turn, and the caller's chat_template_kwargs."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False      # the last (assistant) message is left open for the model
+    tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions ({"type": "function", "function": ...})
+    template_kwargs: dict[str, Any] = {}
 
 
 # ---------------------------------------------------------------- gateway -> scheduler
@@ -67,6 +79,7 @@ class GenerateRequest(Msg):
     stream_subject: str
     text: str | None = None
     messages: list[ChatMessage] | None = None
+    chat: ChatOptions | None = None   # with messages: how they are rendered (None: the defaults)
     input_ids: list[TokenId] | None = None
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     tenant: str = "default"           # who is accounted (limits, metrics)
@@ -150,7 +163,7 @@ class EncodeRequest(Msg):
     """Exactly one of text / messages / texts (a batch of plain texts, answered in `batch`)."""
     text: str | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
+    chat: ChatOptions | None = None
     texts: list[str] | None = None
 
 
