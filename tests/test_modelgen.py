@@ -147,3 +147,17 @@ def test_logit_scale_and_distant_context(loaded, name):
     # Measured 0.27-1.0 max |diff| and 2-6% relative (see make.py); float noise is ~1e-6.
     assert max_diff > 0.1, max_diff
     assert rel > 5e-3, rel
+
+
+def test_a_cached_preset_is_made_again_when_the_preset_changed(tmp_path):
+    """A cache written by an older radixflow (another config or chat format under the preset's name)
+    is replaced, not served; an unchanged one is kept."""
+    from radixflow.services.modelgen.make import cached_preset
+    path = cached_preset("tiny-mistral", tmp_path)
+    made = (path / "model.safetensors").stat().st_mtime_ns
+    assert cached_preset("tiny-mistral", tmp_path) == path and (path / "model.safetensors").stat().st_mtime_ns == made
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(cfg | {"sliding_window": None}))      # as an older preset wrote it
+    (path / ".radixflow-preset").write_text("older\n")
+    cached_preset("tiny-mistral", tmp_path)
+    assert json.loads((path / "config.json").read_text())["sliding_window"] == 48

@@ -6,7 +6,6 @@ import asyncio
 import gc
 import importlib
 import json
-import os
 import statistics
 import time
 from contextlib import asynccontextmanager
@@ -23,11 +22,8 @@ def resolve_model(name: str) -> str:
     """A preset name (created in the cache on first use) or a model directory."""
     if name in PRESETS:
         from radixflow.services.cli.main import _cache_dir
-        from radixflow.services.modelgen.make import make_model
-        path = os.path.join(_cache_dir(), "models", name)
-        if not os.path.exists(os.path.join(path, "model.safetensors")):
-            make_model(name, path)
-        return path
+        from radixflow.services.modelgen.make import cached_preset
+        return str(cached_preset(name, _cache_dir()))
     return name
 
 

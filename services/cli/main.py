@@ -25,12 +25,8 @@ def _cache_dir() -> str:
 
 def default_model() -> str:
     """The tiny-hybrid checkpoint in the cache directory, created on first use."""
-    from radixflow.services.modelgen.make import make_model
-    path = os.path.join(_cache_dir(), "models", "tiny-hybrid")
-    if not os.path.exists(os.path.join(path, "model.safetensors")):
-        print(f"creating the tiny-hybrid model in {path}", file=sys.stderr)
-        make_model("tiny-hybrid", path)
-    return path
+    from radixflow.services.modelgen.make import cached_preset
+    return str(cached_preset("tiny-hybrid", _cache_dir()))
 
 
 def _serving_args(p: argparse.ArgumentParser) -> None:

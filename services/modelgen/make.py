@@ -19,6 +19,8 @@ properties rather than for trainability (measured with transformers 5.24 on CPU,
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import math
 import shutil
@@ -229,3 +231,18 @@ def make_model(preset: str, out_dir: str | Path, seed: int = 0, tokenizer: str =
     # safetensors creates the file 0600; match the other files so a model dir can be shared read-only.
     (out / "model.safetensors").chmod(0o644)
     return out
+
+
+def cached_preset(name: str, cache_dir: str | Path) -> Path:
+    """A preset's checkpoint in the cache directory: made on first use, and made again when the
+    preset has changed since (its config or chat format; a stamp file records which was made), so
+    that a cache left by an older radixflow never serves a stale model under a preset's name."""
+    p = get_preset(name)
+    stamp = hashlib.sha256(json.dumps([hf_config(p), dataclasses.asdict(FORMATS[p.chat_format])],
+                                      sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / "models" / name
+    mark = path / ".radixflow-preset"
+    if not (path / "model.safetensors").exists() or not mark.exists() or mark.read_text().strip() != stamp:
+        make_model(name, path)
+        mark.write_text(stamp + "\n")
+    return path
