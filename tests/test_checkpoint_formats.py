@@ -54,13 +54,15 @@ def test_pytorch_bin_loads_where_no_safetensors_exist(models, tmp_path):
     _same(load_model(str(out), CPU, torch.float32), load_model(models["tiny-qwen2"], CPU, torch.float32))
 
 
-def test_bf16_weights_are_served_in_the_serving_dtype(models, tmp_path):
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("serving", [torch.float32, torch.bfloat16])
+def test_half_weights_are_served_in_the_serving_dtype(models, tmp_path, stored, serving):
     weights = load_file(str(Path(models["tiny-mistral"]) / "model.safetensors"))
-    out = _copy_without_weights(models["tiny-mistral"], tmp_path / "bf16")
-    save_file({n: t.to(torch.bfloat16) for n, t in weights.items()}, str(out / "model.safetensors"))
-    m = load_model(str(out), CPU, torch.float32)
-    assert m.embed.weight.dtype == torch.float32
-    assert torch.equal(m.embed.weight, weights["model.embed_tokens.weight"].to(torch.bfloat16).float())
+    out = _copy_without_weights(models["tiny-mistral"], tmp_path / "half")
+    save_file({n: t.to(stored) for n, t in weights.items()}, str(out / "model.safetensors"))
+    m = load_model(str(out), CPU, serving)
+    assert {p.dtype for p in m.parameters()} == {serving}
+    assert torch.equal(m.embed.weight, weights["model.embed_tokens.weight"].to(stored).to(serving))
 
 
 def test_a_directory_without_weights_is_a_clear_error(models, tmp_path):
