@@ -67,6 +67,9 @@ class ExecutorConfig:
                                       # ("tokenizer": masks keep its next token alone; spelling.py)
     overlap: bool = True              # radix exchanges travel while a step computes (engine.EngineConfig.overlap)
     disable_radix_cache: bool = False
+    kv_host_pages: int = 0            # KV tiers: evicted pages kept in this many host-memory pages (0: none)
+    kv_disk_dir: str = ""             # ... and below them in files under this directory (empty: no disk tier)
+    kv_disk_pages: int = 0            # ... at most this many
     sampling_defaults: str = "model"  # model: generation_config.json's temperature, top_p, ... for fields a request
                                       # leaves unset (vLLM's and SGLang's default); openai: the API's own defaults
 

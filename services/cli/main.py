@@ -52,6 +52,10 @@ def _serving_args(p: argparse.ArgumentParser) -> None:
                         "step also carrying one token of every decoding request (default 2048; 0: off)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--disable-radix-cache", action="store_true", default=None)
+    p.add_argument("--kv-host-pages", type=int, default=None,
+                   help="KV tiers: keep pages the cache evicts in this many host-memory pages (default 0: none)")
+    p.add_argument("--kv-disk-dir", default=None, help="KV tiers: below host memory, page files in this directory")
+    p.add_argument("--kv-disk-pages", type=int, default=None, help="KV tiers: at most this many page files")
     p.add_argument("--sampling-defaults", choices=("model", "openai"), default=None,
                    help="sampling fields a request leaves unset: the model's generation_config.json (model, the "
                         "default) or the API's own (openai: temperature 1, top_p 1, ...)")
@@ -87,6 +91,7 @@ def _overrides(a: argparse.Namespace) -> dict:
                 ex_max_prefill_tokens=a.max_prefill_tokens,
                 ex_mixed_chunk_tokens=a.mixed_chunk_tokens, ex_max_model_len=a.max_model_len,
                 ex_disable_radix_cache=a.disable_radix_cache, ex_state_slots=a.state_slots,
+                ex_kv_host_pages=a.kv_host_pages, ex_kv_disk_dir=a.kv_disk_dir, ex_kv_disk_pages=a.kv_disk_pages,
                 ex_sampling_defaults=a.sampling_defaults,
                 ex_decode_reserve=a.decode_reserve,
                 ex_overlap=False if a.disable_overlap else None,

@@ -155,7 +155,7 @@ class Batcher:
         seq.resume_len = len(seq.tokens)
         seq.logprob_start = -1       # its prompt logprobs were collected by its first prefill
         seq.status = Status.WAITING
-        seq.pages, seq.slots, seq.cached_len, seq.computed_len = [], None, 0, 0
+        seq.pages, seq.slots, seq.cached_len, seq.computed_len, seq.loaded_len = [], None, 0, 0, 0
         seq.state_slot, seq.restore_slot, seq.tail_slot, seq.tail_pos = -1, -1, -1, 0
         seq.state_ready, seq.checkpoints, seq.draft, seq.certain, seq.growing = False, {}, [], 0, False
         self.waiting.appendleft(seq)
@@ -172,6 +172,7 @@ class Batcher:
             self.waiting.remove(seq)
             seq.known = False
             seq.pages, seq.cached_len, seq.computed_len = list(g.pages), g.cached_tokens, g.cached_tokens
+            seq.loaded_len = 0
             seq.state_slot, seq.restore_slot, seq.tail_slot = g.state_slot, g.restore_slot, g.tail_slot
             seq.checkpoints = dict(zip(g.checkpoints, g.checkpoint_slots))
             seq.status = Status.RUNNING
@@ -257,7 +258,7 @@ class Batcher:
         for seq in reversed(again):
             self.running.remove(seq)
             seq.status = Status.WAITING
-            seq.pages, seq.slots, seq.cached_len, seq.computed_len = [], None, 0, 0
+            seq.pages, seq.slots, seq.cached_len, seq.computed_len, seq.loaded_len = [], None, 0, 0, 0
             seq.state_slot, seq.restore_slot, seq.tail_slot, seq.tail_pos = -1, -1, -1, 0
             seq.state_ready, seq.checkpoints = False, {}
             self.waiting.appendleft(seq)

@@ -30,6 +30,7 @@ from .runner import ModelRunner
 from .sampler import has_penalties
 from .sequence import Sequence, Status
 from .spelling import Speller
+from .tiers import KVTiers, model_identity
 
 __all__ = ["Engine", "EngineConfig"]     # EngineConfig lives in engine_config.py
 
@@ -99,6 +100,9 @@ class Engine(RadixExchange):
         # for /metrics: a step's model time (runner and output handling) by phase, and how long a
         # request waited between arriving and getting its pages
         self.step_seconds = {p: Histogram("step_seconds", labels={"phase": p}) for p in ("prefill", "decode")}
+        self.tiers = KVTiers(self.runner.kv, self.runner.state, host_pages=cfg.kv_host_pages, disk_dir=cfg.kv_disk_dir,
+                             disk_pages=cfg.kv_disk_pages, identity=model_identity(cfg.model, self.runner.kv, self.page_size)) \
+            if cfg.kv_host_pages > 0 and self.cache else None
         self.queue_seconds = Histogram("queue_seconds")
 
     def _tokens_from_memory(self, spec, num_slots: int) -> int:
@@ -205,7 +209,8 @@ class Engine(RadixExchange):
                                       "preempted_total": self.preempted,
                                       "jump_forward_drafted_total": self.runner.drafted,
                                       "jump_forward_kept_total": self.runner.kept,
-                                      "jump_forward_certain_total": self.runner.certain}
+                                      "jump_forward_certain_total": self.runner.certain} \
+            | (self.tiers.stats() if self.tiers else {})
 
     # ------------------------------------------------------------ the loop (compute thread)
 
@@ -300,6 +305,8 @@ class Engine(RadixExchange):
             for s in new:
                 self._live[s.rid] = s
         for s in new:
+            if self.tiers is not None and (at := self.tiers.known_boundary(s)) and at not in s.checkpoint_at:
+                s.checkpoint_at.append(at)
             self.batcher.add(s)
         for h in hints:
             self.batcher.unpins += h.unpins
@@ -318,6 +325,8 @@ class Engine(RadixExchange):
         state = self.runner.state
         ps = self.page_size
         drafting, copies = [], []
+        tapped: list[tuple[Sequence, int, int]] = []     # (sequence, state slot, position) checkpointed now
+        befores = [s.computed_len for s in plan.seqs]
         for i, (seq, ext) in enumerate(zip(plan.seqs, plan.extend_lens)):
             new = toks.get(i, [])
             before = seq.computed_len
@@ -330,6 +339,7 @@ class Engine(RadixExchange):
                 slot = seq.checkpoints.get(seq.computed_len)
                 if slot is not None:
                     copies.append((seq.state_slot, slot))
+                    tapped.append((seq, slot, seq.computed_len))
                 elif decoding and seq.tail_slot >= 0 and seq.computed_len // ps > before // ps:
                     boundary = seq.computed_len // ps * ps
                     if boundary == seq.computed_len:
@@ -337,6 +347,9 @@ class Engine(RadixExchange):
                     else:   # crossed inside a step with a draft: the state as it was at the boundary
                         self.runner.state_after(seq.rid, boundary - before - 1, seq.tail_slot)
                     seq.tail_pos = boundary
+                    tapped.append((seq, seq.tail_slot, boundary))
+                # checkpoints inside the chunk, copied out by the model (ForwardBatch.taps)
+                tapped += [(seq, x, q) for q, x in seq.checkpoints.items() if before < q < seq.computed_len]
             if not decoding:
                 self.counters["prefill_tokens_computed_total"] += ext
                 if self.cache and seq.computed_len <= seq.prefill_len:
@@ -383,6 +396,13 @@ class Engine(RadixExchange):
                 outs.append(self._output(seq, new))
         if copies:
             state.copy_many(copies)
+        if self.tiers is not None:
+            # what the device now holds, by key: saved to the host tier when a grant reuses it
+            for seq, before in zip(plan.seqs, befores):
+                if seq.computed_len > before:
+                    self.tiers.computed(seq, before)
+            for seq, slot, pos in tapped:
+                self.tiers.checkpointed(seq, slot, pos)
         if drafting:
             self.runner.mark_certain(drafting)
             if not self._uncertain_pays():
@@ -413,7 +433,7 @@ class Engine(RadixExchange):
         # `new` is always output_ids[reported:reported + len(new)]: the logprobs of the same tokens
         start, seq.reported = seq.reported, seq.reported + len(new)
         return seq.output_subject, SeqOutput(rid=seq.rid, token_ids=new, offset=start, prompt_tokens=seq.prompt_len,
-                                             cached_tokens=min(seq.cached_len, seq.prompt_len),
+                                             cached_tokens=min(seq.cached_len + seq.loaded_len, seq.prompt_len),
                                              logprobs=seq.logprobs[start:seq.reported],
                                              top_logprobs=seq.top_logprobs[start:seq.reported])
 

@@ -64,6 +64,12 @@ class EngineConfig:
     # the prefill of this many tokens (and a few decode steps) on scratch pages at start, so that the
     # first request does not pay first-call costs; 0: none
     warmup_tokens: int = 2048
+    # KV tiers (tiers.py): pages the radix cache evicts go to this many host-memory pages (0: no
+    # tiers) and from there to disk under kv_disk_dir (at most kv_disk_pages files), and come back
+    # instead of being computed again
+    kv_host_pages: int = 0
+    kv_disk_dir: str = ""
+    kv_disk_pages: int = 0
     # radix unreachable (restarting): waiting requests wait this long for it, then fail
     radix_wait_s: float = 15.0
     # output tokens whose pages are reserved at admission; 0: every one of max_new_tokens (a

@@ -67,6 +67,15 @@ class RadixExchange(_Base):
         self._shared_wait = any(d.reason == "shared-prefix" for d in reply.deferred)
         started = self.batcher.apply(reply.grants, retry=any(d.reason in ("budget", "shared-prefix", "unknown")
                                                              for d in reply.deferred), deferred=reply.deferred)
+        if self.tiers is not None:
+            # what granted pages and slots held goes to the host tier before anything overwrites it;
+            # then the new requests load what the tiers have of their prompts
+            ps = self.page_size
+            self.tiers.reused([p for s in started for p in s.pages[s.cached_len // ps:]]
+                              + [p for pages in reply.grown.values() for p in pages],
+                              [x for s in started for x in (s.state_slot, s.tail_slot, *s.checkpoints.values())])
+            for s in started:
+                s.loaded_len = self.tiers.load(s)
         for rid, pages in reply.grown.items():
             seq = self._live.get(rid)
             if seq is not None and seq.status == Status.RUNNING and seq.growing:
@@ -83,7 +92,7 @@ class RadixExchange(_Base):
                 s.arrived = 0.0
             # a preempted sequence's resumption counts what it computes again, not a new request
             self.counters["prompt_tokens_total"] += s.prefill_len
-            self.counters["cached_tokens_total"] += s.cached_len
+            self.counters["cached_tokens_total"] += s.cached_len + s.loaded_len
             self.counters["requests_total"] += not s.resume_len
         return []
 

@@ -76,6 +76,10 @@ class Sequence:
     # were its prompt, then goes on generating
     resume_len: int = 0          # > 0: tokens it had when preempted
     growing: bool = False        # more pages asked of radix, not yet answered
+    # KV tiers (tiers.py): this admission's tokens loaded from the host or disk tier (after cached_len),
+    # and the keys of its pages so far (the namespace's root first)
+    loaded_len: int = 0
+    tier_keys: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.tokens)

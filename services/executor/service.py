@@ -86,7 +86,9 @@ class ExecutorService(Actor):
                             forced_spelling=cfg.forced_spelling,
                             overlap=cfg.overlap, radix_wait_s=cfg.radix_wait_s,
                             decode_reserve=cfg.decode_reserve,
-                            state_slots=cfg.state_slots, checkpoint_interval=cfg.checkpoint_interval)
+                            state_slots=cfg.state_slots, checkpoint_interval=cfg.checkpoint_interval,
+                            kv_host_pages=cfg.kv_host_pages, kv_disk_dir=cfg.kv_disk_dir,
+                            kv_disk_pages=cfg.kv_disk_pages)
         loop = asyncio.get_running_loop()
         # the grammar engines' tokenizer state first (seconds at a 248k vocab): the Engine registers
         # its pool with radix, which drops a pool whose heartbeats (from after on_start) are late
@@ -229,7 +231,10 @@ class ExecutorService(Actor):
 
     async def memory(self, _: StatusRequest) -> MemoryReply:
         r = self.engine.runner
-        return MemoryReply(instance=self.instance, model=self.model_name, report=realized(r.spec, r.plan))
+        report = realized(r.spec, r.plan)
+        if self.engine.tiers is not None:
+            report["tiers"] = {k[5:]: v for k, v in self.engine.tiers.stats().items()}
+        return MemoryReply(instance=self.instance, model=self.model_name, report=report)
 
     async def on_radix_heartbeat(self, hb: Heartbeat) -> None:
         """A new radix instance (a restart) knows no pool, and one that dropped ours (our beats were
@@ -294,8 +299,9 @@ class ExecutorService(Actor):
                  "generated_tokens_total", "requests_total", "jump_forward_drafted_total", "jump_forward_kept_total",
                  "jump_forward_certain_total",
                  "preempted_total",
-                 "running", "waiting")
-        return [Sample(name=n if n.endswith("_total") else f"requests_{n}", value=st[n]) for n in names] \
+                 "running", "waiting") + tuple(n for n in st if n.startswith("tier_"))
+        return [Sample(name=n if n.endswith("_total") or n.startswith("tier_") else f"requests_{n}", value=st[n])
+                for n in names] \
             + [x for h in (*self.engine.step_seconds.values(), self.engine.queue_seconds) for x in h.samples()]
 
 

@@ -1,0 +1,364 @@
+"""KVTiers: host-memory and disk tiers under an executor's device pool, so that KV pages (and hybrid
+models' state checkpoints) the radix cache evicts are kept a level down instead of dropped, and a
+request whose prefix went there loads it back instead of computing it again.
+
+Where the data lives decides where the index lives. The radix service decides what is cached on the
+device and evicts by LRU; the executor holds the tensors. A page the tree evicts keeps its contents
+until the page is granted to someone else, and every grant passes through the executor first
+(exchange.py), so the executor saves a page's contents to the host tier exactly when they are about to
+be overwritten (`reused`), with no message of its own. Likewise a state slot.
+
+What a page holds is named by a key: a chain hash over the cache namespace and the tokens of the
+page and of every page before it (and the model's identity, which disk files outlive), so a key means
+the same KV in any request, and never crosses a namespace: tenants and cache_salt are kept apart in
+every tier as in the device pool. A state checkpoint at a page boundary is named by that page's key.
+
+    device pool ──(granted again: save)──> host tier (LRU, `host_pages`) ──(full)──> disk tier (LRU, files)
+    a request's fresh pages <──(admitted: load the longest run of keys after its device match)──┘
+
+Loading is all or nothing per page, in order, and stops at the first page no tier has (or whose disk
+file is missing, truncated or fails its checksum: the file is dropped and the tokens are computed).
+A hybrid request loads up to the deepest page boundary that has its state in a tier and for which
+every checkpoint planned on the way has its state there too (radix attaches those at progress).
+Loaded pages are the request's own fresh pages: its progress puts them in the radix tree as computed.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from array import array
+from collections import OrderedDict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .memory import KVPool, StatePool
+    from .sequence import Sequence
+
+_MAGIC = b"RFKV1\n"
+_SUM = 32          # blake2b digest of the payload, after the magic
+
+
+def model_identity(model: str, kv: "KVPool", page_size: int) -> str:
+    """What a page's bytes depend on besides its tokens, for keys that disk files outlive: the
+    checkpoint (its directory and its weight files' sizes and times), the pool's dtype and page size."""
+    root = Path(model).resolve()
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in root.glob("*")
+                   if p.suffix in (".safetensors", ".bin", ".json"))
+    dtype = kv.k[0].dtype if kv.k else None
+    return f"{root}|{files}|{dtype}|{page_size}"
+
+
+def chain(prev: bytes, tokens: list[int]) -> bytes:
+    """The key of a page: its predecessor's key and its tokens."""
+    return hashlib.blake2b(prev + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+class _Disk:
+    """Files named by key under `root`, at most `capacity` of them (LRU; files already there from an
+    earlier run are indexed at start, oldest first). A file is magic, checksum, payload."""
+
+    def __init__(self, root: str, capacity: int):
+        self.root, self.capacity = Path(root), capacity
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.index: OrderedDict[bytes, None] = OrderedDict()
+        old = sorted(self.root.glob("*.kv*"), key=lambda p: p.stat().st_mtime)
+        for p in old:
+            try:
+                self.index[bytes.fromhex(p.name.split(".")[0]) + p.suffix.encode()] = None
+            except ValueError:
+                continue
+        self.corrupt = 0
+        while len(self.index) > self.capacity:
+            self._drop(next(iter(self.index)))
+
+    def _path(self, name: bytes) -> Path:
+        return self.root / (name[:16].hex() + name[16:].decode())
+
+    def _drop(self, name: bytes) -> None:
+        self.index.pop(name, None)
+        try:
+            os.unlink(self._path(name))
+        except FileNotFoundError:
+            pass
+
+    def put(self, name: bytes, payload: bytes) -> None:
+        if self.capacity <= 0:
+            return
+        while len(self.index) >= self.capacity:
+            self._drop(next(iter(self.index)))
+        tmp = self._path(name).with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(_MAGIC + hashlib.blake2b(payload, digest_size=_SUM).digest() + payload)
+        os.replace(tmp, self._path(name))          # a reader never sees half a file under its name
+        self.index[name] = None
+
+    def get(self, name: bytes, size: int) -> bytes | None:
+        """The payload, or None (absent; or missing, short or failing its checksum: then dropped)."""
+        if name not in self.index:
+            return None
+        try:
+            raw = self._path(name).read_bytes()
+        except OSError:
+            raw = b""
+        head = len(_MAGIC) + _SUM
+        payload = raw[head:]
+        if (len(raw) != head + size or raw[:len(_MAGIC)] != _MAGIC
+                or hashlib.blake2b(payload, digest_size=_SUM).digest() != raw[len(_MAGIC):head]):
+            self.corrupt += 1
+            self._drop(name)
+            return None
+        self.index.move_to_end(name)
+        return payload
+
+    def __contains__(self, name: bytes) -> bool:
+        return name in self.index
+
+
+class _Host:
+    """`capacity` entries of tensors shaped like `shapes`, by key, LRU. Evicting one hands it to
+    `spill` (the disk tier) first."""
+
+    def __init__(self, capacity: int, shapes: list[tuple[tuple[int, ...], torch.dtype]], pin: bool):
+        self.capacity = capacity
+        self.store = [torch.empty((capacity, *s), dtype=d, pin_memory=pin) for s, d in shapes]
+        self.index: OrderedDict[bytes, int] = OrderedDict()
+        self.free = list(range(capacity - 1, -1, -1))
+
+    def slot_for(self, key: bytes, spill) -> int | None:
+        """A slot to write `key` into: a free one, or the least recent one's (spilled first)."""
+        if self.capacity <= 0:
+            return None
+        if not self.free:
+            old, slot = self.index.popitem(last=False)
+            spill(old, slot)
+            self.free.append(slot)
+        slot = self.free.pop()
+        self.index[key] = slot
+        return slot
+
+    def get(self, key: bytes) -> int | None:
+        slot = self.index.get(key)
+        if slot is not None:
+            self.index.move_to_end(key)
+        return slot
+
+
+class KVTiers:
+    def __init__(self, kv: "KVPool", state: "StatePool | None", *, host_pages: int, disk_dir: str = "",
+                 disk_pages: int = 0, identity: str = "", host_states: int = 0):
+        self.kv, self.state, self.ps = kv, state, kv.page_size
+        self.root = hashlib.blake2b(identity.encode(), digest_size=16).digest()
+        dev = kv.k[0].device if kv.k else torch.device("cpu")
+        pin = dev.type == "cuda"
+        page = [((len(kv.k), self.ps, *kv.k[0].shape[1:]), kv.k[0].dtype)] * 2 if kv.k else []
+        self.host = _Host(host_pages, page, pin)
+        states = []
+        if state is not None:
+            states = [(t.shape[1:], t.dtype) for t in state.recurrent + state.conv]
+        self.host_states = _Host(host_states or (max(host_pages // 4, 8) if state is not None else 0), states, pin)
+        self.disk = _Disk(disk_dir, disk_pages) if disk_dir else None
+        self.page_key: dict[int, bytes] = {}      # device page -> key of the KV it holds (whole pages only)
+        self.slot_key: dict[int, bytes] = {}      # state slot -> key of the checkpoint it holds
+        self.counters = {"tier_saved_pages_total": 0, "tier_saved_states_total": 0, "tier_host_hit_pages_total": 0,
+                         "tier_disk_hit_pages_total": 0, "tier_looked_up_pages_total": 0,
+                         "tier_loaded_tokens_total": 0, "tier_spilled_pages_total": 0}
+
+    # ------------------------------------------------------------ keys
+
+    def keys(self, seq: "Sequence", pages: int) -> list[bytes]:
+        """The keys of seq's first `pages` pages (kept on the sequence, extended as it grows)."""
+        ks = seq.tier_keys
+        if not ks:                       # the namespace's root: nothing is shared across namespaces
+            ks.append(chain(self.root, list(seq.namespace.encode())))
+        while len(ks) <= pages:
+            i = len(ks) - 1
+            ks.append(chain(ks[-1], seq.tokens[i * self.ps:(i + 1) * self.ps]))
+        return ks[1:pages + 1]
+
+    # ------------------------------------------------------------ what the device holds
+
+    def computed(self, seq: "Sequence", before: int) -> None:
+        """seq's KV now covers computed_len tokens (it covered `before`): its pages filled since
+        hold their keys' KV."""
+        lo, hi = before // self.ps, seq.computed_len // self.ps
+        if hi <= lo:
+            return
+        ks = self.keys(seq, hi)
+        for i in range(lo, hi):
+            self.page_key[seq.pages[i]] = ks[i]
+
+    def checkpointed(self, seq: "Sequence", slot: int, pos: int) -> None:
+        """`slot` now holds seq's state after `pos` tokens (a page boundary)."""
+        if pos > 0 and pos % self.ps == 0:
+            self.slot_key[slot] = self.keys(seq, pos // self.ps)[-1]
+
+    # ------------------------------------------------------------ saving (before a grant overwrites)
+
+    def reused(self, pages: list[int], slots: list[int] = ()) -> None:
+        """These pages and slots were just granted: what they held is saved to the host tier first."""
+        save = [(p, k) for p in pages if (k := self.page_key.pop(p, None)) is not None
+                and self.host.get(k) is None and not (self.disk and k + b".kv" in self.disk)]
+        if save and self.host.capacity:
+            dst = [self.host.slot_for(k, self._spill_page) for _, k in save]
+            src = torch.tensor([p for p, _ in save], dtype=torch.int64, device=self.kv.k[0].device)
+            idx = torch.tensor(dst, dtype=torch.int64)
+            for l, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
+                pk, pv = (t.view(-1, self.ps, *t.shape[1:]) for t in (k, v))
+                self.host.store[0][idx, l] = pk.index_select(0, src).to(self.host.store[0].device)
+                self.host.store[1][idx, l] = pv.index_select(0, src).to(self.host.store[1].device)
+            self.counters["tier_saved_pages_total"] += len(save)
+        for s in slots:
+            k = self.slot_key.pop(s, None) if s >= 0 else None
+            if k is None or self.state is None or self.host_states.get(k) is not None:
+                continue
+            dst = self.host_states.slot_for(k, self._spill_state)
+            if dst is None:
+                continue
+            for store, t in zip(self.host_states.store, self.state.recurrent + self.state.conv):
+                store[dst].copy_(t[s])
+            self.counters["tier_saved_states_total"] += 1
+
+    def _spill_page(self, key: bytes, slot: int) -> None:
+        if self.disk is not None:
+            self.disk.put(key + b".kv", b"".join(t[slot].contiguous().numpy().tobytes() for t in self.host.store))
+            self.counters["tier_spilled_pages_total"] += 1
+
+    def _spill_state(self, key: bytes, slot: int) -> None:
+        if self.disk is not None:
+            self.disk.put(key + b".kvs", b"".join(t[slot].contiguous().numpy().tobytes() for t in self.host_states.store))
+
+    # ------------------------------------------------------------ loading (at admission)
+
+    def _page_from_disk(self, key: bytes) -> int | None:
+        """A disk page brought into the host tier (its slot), or None."""
+        if self.disk is None:
+            return None
+        sizes = [t[0].numel() * t.element_size() for t in self.host.store]
+        raw = self.disk.get(key + b".kv", sum(sizes))
+        if raw is None:
+            return None
+        slot = self.host.slot_for(key, self._spill_page)
+        if slot is None:
+            return None
+        off = 0
+        for t, n in zip(self.host.store, sizes):
+            t[slot].copy_(torch.frombuffer(bytearray(raw[off:off + n]), dtype=t.dtype).view(t.shape[1:]))
+            off += n
+        return slot
+
+    def _state(self, key: bytes) -> int | None:
+        slot = self.host_states.get(key)
+        if slot is not None or self.disk is None or not self.host_states.capacity:
+            return slot
+        sizes = [t[0].numel() * t.element_size() for t in self.host_states.store]
+        raw = self.disk.get(key + b".kvs", sum(sizes))
+        if raw is None:
+            return None
+        slot = self.host_states.slot_for(key, self._spill_state)
+        off = 0
+        for t, n in zip(self.host_states.store, sizes):
+            t[slot].copy_(torch.frombuffer(bytearray(raw[off:off + n]), dtype=t.dtype).view(t.shape[1:]))
+            off += n
+        return slot
+
+    def load(self, seq: "Sequence") -> int:
+        """Just admitted: the pages after its device match that a tier has go into its fresh pages;
+        returns the tokens loaded (computed_len moves past them)."""
+        start = seq.computed_len
+        if start % self.ps or self.host.capacity <= 0:
+            return 0
+        last = (seq.prefill_len - 1) // self.ps          # the last prompt token is always computed
+        if last <= start // self.ps:
+            return 0
+        ks = self.keys(seq, last)
+        found: list[int] = []            # host slots of the pages start/ps .. in order
+        # at most all but one host slot: a page brought up from disk must not push out one found here
+        for i in range(start // self.ps, min(last, start // self.ps + self.host.capacity - 1)):
+            self.counters["tier_looked_up_pages_total"] += 1
+            slot = self.host.get(ks[i])
+            if slot is not None:
+                self.counters["tier_host_hit_pages_total"] += 1
+            else:
+                slot = self._page_from_disk(ks[i])
+                if slot is None:
+                    break
+                self.counters["tier_disk_hit_pages_total"] += 1
+            found.append(slot)
+        n = len(found)
+        state_slot = None
+        if self.state is not None:
+            # the deepest boundary with its state in a tier, every planned checkpoint before it too
+            n, state_slot = self._resumable(seq, start, n, ks)
+        if n <= 0:
+            return 0
+        first = start // self.ps
+        dst = torch.tensor(seq.pages[first:first + n], dtype=torch.int64, device=self.kv.k[0].device)
+        src = torch.tensor(found[:n], dtype=torch.int64)
+        for l, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
+            pk, pv = (t.view(-1, self.ps, *t.shape[1:]) for t in (k, v))
+            pk.index_copy_(0, dst, self.host.store[0][src, l].to(pk.device))
+            pv.index_copy_(0, dst, self.host.store[1][src, l].to(pv.device))
+        if state_slot is not None:
+            for store, t in zip(self.host_states.store, self.state.recurrent + self.state.conv):
+                t[seq.state_slot].copy_(store[state_slot])
+            seq.state_ready, seq.restore_slot = True, -1
+        seq.computed_len = start + n * self.ps
+        self.computed(seq, start)
+        self.counters["tier_loaded_tokens_total"] += n * self.ps
+        return n * self.ps
+
+    def _resumable(self, seq: "Sequence", start: int, n: int, ks: list[bytes]) -> tuple[int, int | None]:
+        """Hybrid: of the n pages found from `start` on, how many to load (the deepest page boundary
+        whose state a tier has, with every planned checkpoint up to it in a tier too, which are
+        filled from there), and the tier slot of the state at that boundary."""
+        first = start // self.ps
+        planned: list[tuple[int, int, int]] = []        # (pages in, tier slot, planned slot)
+        best, best_slot = 0, None
+        for j in range(1, n + 1):
+            slot = self._state(ks[first + j - 1])
+            dst = seq.checkpoints.get((first + j) * self.ps)
+            if dst is not None:
+                if slot is None:
+                    break                    # radix attaches this checkpoint at progress: it must hold the state
+                planned.append((j, slot, dst))
+            if slot is not None:
+                best, best_slot = j, slot
+        for j, src, dst in planned:
+            if j <= best:
+                for store, t in zip(self.host_states.store, self.state.recurrent + self.state.conv):
+                    t[dst].copy_(store[src])
+                self.slot_key[dst] = ks[first + j - 1]
+        return best, best_slot
+
+    def known_boundary(self, seq: "Sequence") -> int:
+        """Hybrid: the end of the run of seq's prompt pages a tier holds, when no state there is held
+        (0 otherwise). A checkpoint asked for there (Candidate.checkpoint_at) puts a state where the
+        tier's pages end, so that the next request over them loads them with it, as radix plans a
+        checkpoint where a device match ends."""
+        if self.state is None or self.host.capacity <= 0:
+            return 0
+        last = (seq.prompt_len - 1) // self.ps
+        ks = self.keys(seq, last)
+        n = 0
+        while n < last and (self.host.index.get(ks[n]) is not None or self.disk and ks[n] + b".kv" in self.disk):
+            n += 1
+        if n == 0 or self.host_states.index.get(ks[n - 1]) is not None \
+                or self.disk and ks[n - 1] + b".kvs" in self.disk:
+            return 0
+        return n * self.ps
+
+    # ------------------------------------------------------------ reporting
+
+    def stats(self) -> dict[str, int]:
+        looked = self.counters["tier_looked_up_pages_total"]
+        hits = self.counters["tier_host_hit_pages_total"] + self.counters["tier_disk_hit_pages_total"]
+        return dict(self.counters) | {
+            "tier_host_pages_total": self.host.capacity, "tier_host_pages_used": len(self.host.index),
+            "tier_host_states_total": self.host_states.capacity, "tier_host_states_used": len(self.host_states.index),
+            "tier_disk_pages_total": self.disk.capacity if self.disk else 0,
+            "tier_disk_pages_used": len(self.disk.index) if self.disk else 0,
+            "tier_disk_corrupt_total": self.disk.corrupt if self.disk else 0,
+            "tier_hit_rate_permille": 1000 * hits // looked if looked else 0}

@@ -1,0 +1,172 @@
+"""KV tiers (services/executor/tiers.py) on the engine: a workload larger than the device pool computes
+fewer prefill tokens with host and disk tiers than without and answers the same; what a tier loads
+equals what the model computes (dense and hybrid); no tier crosses a cache namespace; a disk file
+that is missing, truncated or corrupt is computed again, never served."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixflow.services.executor.engine import Engine, EngineConfig
+from radixflow.shared.messages import ExecRequest, SamplingParams
+
+PAGE = 16
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 8000, (n,), generator=g).tolist()
+
+
+PREAMBLES = [_tokens(100 + i, 160) for i in range(4)]
+
+
+def _engine(model: str, host: int = 0, disk: str = "", disk_pages: int = 0, tokens: int = 512, **kw) -> Engine:
+    """A device pool of `tokens` slots: about two preambles and their requests."""
+    return Engine(EngineConfig(model=model, page_size=PAGE, max_total_tokens=tokens, max_running_requests=4,
+                               warmup_tokens=0, kv_host_pages=host, kv_disk_dir=disk, kv_disk_pages=disk_pages,
+                               decode_reserve=0, **kw))
+
+
+def _run(engine: Engine, prompts: list[tuple[str, list[int], str]], n: int = 6,
+         logprobs: bool = False) -> dict[str, tuple[list[int], list[float], int]]:
+    """One request at a time (each after the one before has ended): rid -> (tokens, logprobs, cached)."""
+    out = {}
+    for rid, ids, ns in prompts:
+        engine.add(ExecRequest(rid=rid, input_ids=ids, eos_token_ids=[], namespace=ns,
+                               sampling=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True,
+                                                       logprobs=logprobs)))
+        toks, lps, cached = [], [], 0
+        while engine.has_work():
+            for _, o in engine.step():
+                toks += o.token_ids
+                lps += o.logprobs
+                cached = max(cached, o.cached_tokens)
+        out[rid] = (toks, lps, cached)
+    return out
+
+
+def _cycling(rounds: int = 3, ns: str = "default") -> list[tuple[str, list[int], str]]:
+    """Several preambles in turn, each with a new question: more than the pool holds at once."""
+    return [(f"r{r}-p{i}", p + _tokens(1000 * r + i, 20), ns) for r in range(rounds) for i, p in enumerate(PREAMBLES)]
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-hybrid"])
+def test_a_workload_larger_than_the_pool_computes_less_with_tiers_and_answers_the_same(models, preset):
+    work = _cycling()
+    off = _engine(models[preset])
+    want = _run(off, work, logprobs=True)
+    tiered = _engine(models[preset], host=256)
+    got = _run(tiered, work, logprobs=True)
+    assert [v[0] for v in got.values()] == [v[0] for v in want.values()]
+    for (_, a, _), (_, b, _) in zip(got.values(), want.values()):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+    st, base = tiered.stats(), off.stats()
+    # the first round computes every preamble; later rounds find them in the host tier (the pool
+    # holds two at most): each later request computes little more than its own 20 tokens
+    assert base["cached_tokens_total"] < 160 * 2
+    # (hybrid: a state is kept only where a checkpoint was planned, so round 1's states are at its
+    # prompts' ends; round 2 asks for one where the tier's pages end, round 3 resumes there)
+    loading = ["r1", "r2"] if preset == "tiny-dense" else ["r2"]
+    assert st["tier_loaded_tokens_total"] >= len(loading) * 4 * 144, st
+    assert st["prefill_tokens_computed_total"] < base["prefill_tokens_computed_total"] - len(loading) * 4 * 128
+    later = [v[2] for k, v in got.items() if k[:2] in loading]
+    assert all(c >= 144 for c in later), later                  # usage counts a tier's tokens as cached
+    if preset == "tiny-hybrid":
+        assert st["tier_saved_states_total"] > 0
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-hybrid"])
+def test_a_tier_load_equals_recompute(models, preset):
+    """The pages (and state) loaded from the tier give the logits a full computation gives: the
+    loaded request's prompt logprobs equal those of a cache-off engine."""
+    eng = _engine(models[preset], host=256)
+    target = PREAMBLES[0] + _tokens(7, 30)
+    _run(eng, [("warm", PREAMBLES[0] + _tokens(8, 5), "default")])
+    _run(eng, [(f"push{i}", p + _tokens(9, 5), "default") for i, p in enumerate(PREAMBLES[1:])])   # out of the pool
+    before = eng.stats()["tier_loaded_tokens_total"]
+    eng.add(ExecRequest(rid="t", input_ids=target, eos_token_ids=[], logprob_start=0,
+                        sampling=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True)))
+    got = _drain(eng)
+    assert eng.stats()["tier_loaded_tokens_total"] - before >= 144
+    ref = _engine(models[preset], disable_radix_cache=True)
+    ref.add(ExecRequest(rid="t", input_ids=target, eos_token_ids=[], logprob_start=0,
+                        sampling=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True)))
+    want = _drain(ref)
+    assert got["tokens"] == want["tokens"]
+    torch.testing.assert_close(torch.tensor(got["logprobs"]), torch.tensor(want["logprobs"]), atol=1e-4, rtol=0)
+    # the prompt's own logprobs after the loaded part come from the loaded KV
+    n = len(got["input"])
+    torch.testing.assert_close(torch.tensor(got["input"]), torch.tensor(want["input"][-n:]), atol=1e-4, rtol=0)
+
+
+def _drain(eng: Engine) -> dict:
+    out = {"tokens": [], "logprobs": [], "input": []}
+    while eng.has_work():
+        for _, o in eng.step():
+            out["tokens"] += o.token_ids
+            out["logprobs"] += o.logprobs
+            if o.finished:
+                out["input"] = list(o.input_logprobs)
+    return out
+
+
+def test_no_tier_crosses_a_cache_namespace(models):
+    eng = _engine(models["tiny-dense"], host=256)
+    _run(eng, _cycling(rounds=1, ns="alpha"))
+    loaded = eng.stats()["tier_loaded_tokens_total"]
+    beta = _run(eng, [("b", PREAMBLES[0] + _tokens(5, 20), "beta")])
+    assert eng.stats()["tier_loaded_tokens_total"] == loaded and beta["b"][2] == 0
+    alpha = _run(eng, [("a", PREAMBLES[0] + _tokens(5, 20), "alpha")])
+    assert eng.stats()["tier_loaded_tokens_total"] > loaded and alpha["a"][2] >= 144
+    assert alpha["a"][0] == beta["b"][0]
+
+
+def test_a_bad_disk_file_is_computed_again_not_served(models, tmp_path):
+    """Host tier of 12 pages over a disk tier: the preambles spill to files. One preamble's third
+    page file truncated, another's first with a flipped byte, a third's sixth deleted: loading stops
+    there and the rest is computed (the bad files dropped); the answers equal those of an engine
+    without tiers."""
+    from radixflow.services.executor.tiers import chain
+    disk = tmp_path / "kv"
+    eng = _engine(models["tiny-dense"], host=12, disk=str(disk), disk_pages=512)
+    _run(eng, _cycling(rounds=1))
+    _run(eng, [(f"push{i}", _tokens(50 + i, 170), "default") for i in range(3)])   # preambles down to disk
+    assert eng.stats()["tier_spilled_pages_total"] > 20
+
+    def page_file(preamble: int, page: int) -> Path:
+        key = chain(eng.tiers.root, list(b"default"))
+        for i in range(page + 1):
+            key = chain(key, PREAMBLES[preamble][i * PAGE:(i + 1) * PAGE])
+        return disk / (key.hex() + ".kv")
+    bad = [page_file(0, 2), page_file(1, 0), page_file(2, 5)]
+    assert all(f.exists() for f in bad)
+    raw = bad[0].read_bytes()
+    bad[0].write_bytes(raw[: len(raw) // 2])
+    raw = bytearray(bad[1].read_bytes())
+    raw[-7] ^= 0xFF
+    bad[1].write_bytes(bytes(raw))
+    os.unlink(bad[2])
+    again = [(f"again{i}", p + _tokens(77, 20), "default") for i, p in enumerate(PREAMBLES[:3])]
+    got = _run(eng, again)
+    want = _run(_engine(models["tiny-dense"]), again)
+    assert [v[0] for v in got.values()] == [v[0] for v in want.values()]
+    st = eng.stats()
+    assert st["tier_disk_corrupt_total"] == 3, st
+    assert [v[2] for v in got.values()] == [2 * PAGE, 0, 5 * PAGE]     # loaded up to the bad page
+    assert not any(f.exists() for f in bad)
+
+
+def test_disk_files_outlive_the_engine(models, tmp_path):
+    """A new engine on the same model and directory finds the pages an earlier one spilled."""
+    disk = str(tmp_path / "kv")
+    eng = _engine(models["tiny-dense"], host=4, disk=disk, disk_pages=512)
+    _run(eng, _cycling(rounds=1))
+    _run(eng, [(f"push{i}", _tokens(50 + i, 170), "default") for i in range(3)])
+    del eng
+    fresh = _engine(models["tiny-dense"], host=64, disk=disk, disk_pages=512)
+    got = _run(fresh, [("x", PREAMBLES[0] + _tokens(3, 20), "default")])
+    assert fresh.stats()["tier_disk_hit_pages_total"] >= 9 and got["x"][2] >= 144
