@@ -170,3 +170,32 @@ def test_disk_files_outlive_the_engine(models, tmp_path):
     fresh = _engine(models["tiny-dense"], host=64, disk=disk, disk_pages=512)
     got = _run(fresh, [("x", PREAMBLES[0] + _tokens(3, 20), "default")])
     assert fresh.stats()["tier_disk_hit_pages_total"] >= 9 and got["x"][2] >= 144
+
+
+async def test_tiers_served_and_reported(models):
+    """Through the stack (`radixflow up --kv-host-pages`): later rounds of the cycling preambles come
+    back from the host tier (meta_info.cached_tokens counts them), and /metrics and /v1/memory report
+    each tier's occupancy and hit rate."""
+    from . import stacks
+    from .test_radix_e2e import metrics
+    st = await stacks.start(models["tiny-dense"], ex_max_total_tokens=512, ex_kv_host_pages=256,
+                            ex_decode_reserve=0)
+    try:
+        cached = {}
+        for rid, ids, _ in _cycling(rounds=2):
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+            async with st.http.post(st.base + "/generate", json=body) as r:
+                out = await r.json()
+                assert r.status == 200, out
+            cached[rid] = out["meta_info"]["cached_tokens"]
+        assert all(c >= 144 for rid, c in cached.items() if rid.startswith("r1")), cached
+        m = await metrics(st)
+        assert m["radixflow_tier_loaded_tokens_total"] >= 4 * 144
+        assert m["radixflow_tier_host_pages_used"] > 0 and m["radixflow_tier_host_pages_total"] == 256
+        assert m["radixflow_tier_hit_rate_permille"] > 0
+        async with st.http.get(st.base + "/v1/memory") as r:
+            mem = await r.json()
+        tiers = mem["executors"][0]["tiers"]
+        assert tiers["host_pages_used"] > 0 and tiers["disk_pages_total"] == 0 and tiers["loaded_tokens_total"] > 0
+    finally:
+        await stacks.stop(st)

@@ -11,7 +11,8 @@ def run(a: argparse.Namespace) -> int:
     from radixflow.kernels import cpu_ext
     cpu_ext.wait()          # the CPU kernels are built before anything is timed (a no-op once they are)
     from radixflow.services.bench.common import resolve_model
-    model = resolve_model(a.model or ("tiny-dense" if a.which in ("shared-prefix", "scaling", "routing") else "tiny-hybrid")) \
+    model = resolve_model(a.model or ("tiny-dense" if a.which in ("shared-prefix", "scaling", "routing", "multiturn")
+                                      else "tiny-hybrid")) \
         if a.which not in ("program", "sampler", "kernels", "evict") else None
     if a.which == "decode":
         from radixflow.services.bench.decode import run_decode
@@ -63,6 +64,11 @@ def run(a: argparse.Namespace) -> int:
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(out, f, indent=2)
+    elif a.which == "multiturn":
+        from radixflow.services.bench.multiturn import MultiturnConfig, run_multiturn
+        out = run_multiturn(model, MultiturnConfig(sessions=a.sessions, turns=a.turns, preamble=a.preamble,
+                                                   user=a.suffix, output=a.output_tokens, pool_tokens=a.pool_tokens,
+                                                   host_pages=a.host_pages, concurrency=a.concurrency))
     elif a.which == "shared-prefix":
         from radixflow.services.bench.shared_prefix import run_shared_prefix
         out = run_shared_prefix(model, a.preamble, a.suffix, a.requests, a.output_tokens, a.first_alone, a.against,

@@ -8,7 +8,7 @@
     radixflow models [--json]                                        the architectures served, and what each supports
     radixflow schemas [--check]                                      write (or check) schemas/*.json
     radixflow memory [CONFIG] [--prefix-tokens N --copies C --json]  cache memory: calculator, or a server's
-    radixflow bench decode|latency|shared-prefix|scaling|structured|mixed|program|sampler|schemas|serve  benchmarks beside their baselines
+    radixflow bench decode|latency|shared-prefix|multiturn|scaling|structured|mixed|program|sampler|schemas|serve  benchmarks beside their baselines
     radixflow bench schemas DIR         every JSON Schema in DIR through the stack: refusals, validity, compile time
 """
 from __future__ import annotations
@@ -342,24 +342,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_memory)
     p = sub.add_parser("bench", help="benchmarks, each beside its baseline in one run")
-    p.add_argument("which", help="decode | latency | shared-prefix | scaling | structured | mixed | program | sampler | schemas | serve | kernels | routing | evict")
+    p.add_argument("which", help="decode | latency | shared-prefix | scaling | structured | mixed | program | sampler | schemas | serve | kernels | routing | evict | multiturn")
     p.add_argument("dir", nargs="?", help="schemas: a directory of *.json JSON Schemas")
     p.add_argument("--model", default=None, help="a preset (tiny-dense, tiny-hybrid) or a model directory "
                                                  "(default: tiny-dense for shared-prefix, both for program "
                                                  "(comma-separated), else tiny-hybrid)")
-    p.add_argument("--preamble", type=int, default=3000, help="shared-prefix: preamble tokens")
-    p.add_argument("--suffix", type=int, default=100, help="shared-prefix: suffix tokens per request")
+    p.add_argument("--preamble", type=int, default=3000, help="shared-prefix: preamble tokens; multiturn: per session")
+    p.add_argument("--suffix", type=int, default=100,
+                   help="shared-prefix: suffix tokens per request; multiturn: user tokens per turn")
     p.add_argument("--requests", type=int, default=40, help="shared-prefix, program: number of requests (children)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="program, schemas: max_tokens of each JSON answer (default 64, schemas 2048)")
-    p.add_argument("--concurrency", type=int, default=4, help="schemas: schemas sampling at once (after the probes)")
+    p.add_argument("--concurrency", type=int, default=4,
+                   help="schemas: schemas sampling at once (after the probes); multiturn: sessions at once")
     p.add_argument("--probe-concurrency", type=int, default=1,
                    help="schemas: schemas compiling at once in the probe phase (1: each compile timed alone)")
     p.add_argument("--samples", type=int, default=1, help="schemas: answers per schema (seeds 0, 1, ...; 0: probes only)")
     p.add_argument("--limit", type=int, default=0, help="schemas: only N files, spread over the sorted names")
     p.add_argument("--backend", default="auto", help="schemas: grammar backend (auto: the server's choice)")
     p.add_argument("--json", default=None, help="schemas: write the per-schema results to this file; serve: the results")
-    p.add_argument("--output-tokens", type=int, default=8, help="shared-prefix: tokens generated per request")
+    p.add_argument("--output-tokens", type=int, default=8,
+                   help="shared-prefix: tokens generated per request; multiturn: per turn")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="shared-prefix, scaling: the executor's compute dtype (the floor uses its GEMM peak)")
     p.add_argument("--first-alone", action="store_true", help="shared-prefix: send the first request before the rest")
@@ -395,6 +398,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="shared-prefix, scaling: leave an --against server on this machine running while "
                         "radixflow's side runs (by default it is paused: its idle polling slows a 2-core machine)")
     p.add_argument("--plot", default=None, help="serve: write throughput and TTFT curves to this PNG")
+    p.add_argument("--sessions", type=int, default=8, help="multiturn: sessions, each with a preamble of its own")
+    p.add_argument("--turns", type=int, default=4, help="multiturn: turns per session")
+    p.add_argument("--pool-tokens", type=int, default=0,
+                   help="multiturn: the device KV pool in tokens (default: 1.25x what --concurrency sessions reach)")
+    p.add_argument("--host-pages", type=int, default=0,
+                   help="multiturn: the host tier in pages when tiers are on (default: room for every session)")
     p.add_argument("--interpret", action="store_true",
                    help="kernels: run on the CPU in Triton's interpreter at toy sizes (checks, times nothing)")
     p.set_defaults(fn=cmd_bench)
