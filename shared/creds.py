@@ -44,7 +44,8 @@ PERMISSIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("rf.scheduler.>", subjects.METRICS) + _ALL),
     "executor": (
         (subjects.RADIX_REGISTER, subjects.RADIX_ADOPT, "rf.radix.pool.*.step", subjects.GRAMMAR_FETCH,
-         "rf.scheduler.*.output", "rf.scheduler.*.ping", "rf.heartbeat.executor"),
+         "rf.scheduler.*.output", "rf.scheduler.*.ping", "rf.heartbeat.executor",
+         "rf.executor.*.kv"),       # a prefill executor's pages into a decode executor's host tier
         ("rf.executor.>", subjects.METRICS, subjects.MEMORY) + _ALL),
     "tokenizer": (("rf.heartbeat.tokenizer",), ("rf.tokenizer.>", subjects.METRICS) + _ALL),
     "grammar": (("rf.heartbeat.grammar",), ("rf.grammar.>", subjects.METRICS) + _ALL),

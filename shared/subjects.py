@@ -88,6 +88,11 @@ def executor_abort(instance: str) -> str:
     return f"rf.executor.{instance}.abort"
 
 
+def executor_kv(instance: str) -> str:
+    """KV pages another executor moves into this one's host tier (disaggregation)."""
+    return f"rf.executor.{instance}.kv"
+
+
 def executor_hints(instance: str) -> str:
     return f"rf.executor.{instance}.hints"
 

@@ -11,14 +11,17 @@ the compute thread; they are queued and applied at the start of the next step.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict
 
+import torch
+
 from radixflow.shared import log
 from radixflow.shared.errors import BadRequest
 from radixflow.shared.histogram import Histogram
-from radixflow.shared.messages import CacheHints, ExecRequest, Progress, RadixRegister, SeqOutput
+from radixflow.shared.messages import CacheHints, ExecRequest, KVPages, Progress, RadixRegister, SeqOutput
 
 from radixflow.services.radix.held import pages_for
 from .batcher import Batcher, Plan, candidate_tokens
@@ -30,7 +33,8 @@ from .runner import ModelRunner
 from .sampler import has_penalties
 from .sequence import Sequence, Status
 from .spelling import Speller
-from .tiers import KVTiers, model_identity
+from .memory import dtype_bytes
+from .tiers import KVTiers, export_pages, model_identity
 
 __all__ = ["Engine", "EngineConfig"]     # EngineConfig lives in engine_config.py
 
@@ -80,6 +84,8 @@ class Engine(RadixExchange):
         self._aborts: set[str] = set()
         self._discards: set[str] = set()
         self._hints: list[CacheHints] = []
+        self._imports: list[tuple] = []       # pages from another executor, for the host tier (import_pages)
+        self.exports: dict[str, tuple] = {}   # rid -> what a finished transfer request moves (_finish)
         self._live: dict[str, Sequence] = {}
         self.finished_outputs: OrderedDict[str, tuple] = OrderedDict()
         self._last_arrival = 0.0
@@ -164,7 +170,9 @@ class Engine(RadixExchange):
                        output_subject=req.output_subject, checkpoint_at=list(req.checkpoint_at),
                        priority=req.priority, quota_pages=req.quota_pages, pin=req.pin, pin_ttl_s=req.pin_ttl_s,
                        logprob_start=req.logprob_start,
-                       after=req.after, quiet=req.quiet)
+                       after=req.after, quiet=req.quiet, transfer_to=req.transfer_to)
+        if req.transfer_to and self.spec.is_hybrid and (b := (seq.prompt_len - 1) // self.page_size * self.page_size):
+            seq.checkpoint_at.append(b)       # the state where the moved pages end goes with them
         if grammar is not None:
             seq.matcher = grammar.matcher()
         with self._lock:
@@ -302,8 +310,11 @@ class Engine(RadixExchange):
             aborts, self._aborts = self._aborts, set()
             discards, self._discards = self._discards, set()
             hints, self._hints = self._hints, []
+            imports, self._imports = self._imports, []
             for s in new:
                 self._live[s.rid] = s
+        for namespace, tokens, first, k, v, state in imports:     # before the requests that will load them
+            self.tiers.put(namespace, tokens, first, k, v, state)
         for s in new:
             if self.tiers is not None and (at := self.tiers.known_boundary(s)) and at not in s.checkpoint_at:
                 s.checkpoint_at.append(at)
@@ -438,6 +449,13 @@ class Engine(RadixExchange):
                                              top_logprobs=seq.top_logprobs[start:seq.reported])
 
     def _finish(self, seq: Sequence, new: list[int]) -> tuple[str, SeqOutput]:
+        if seq.transfer_to and seq.finish_reason == "length":
+            # its pages are read now, before their release lets radix grant them again; the service
+            # sends them and reports the end once they are stored there
+            pages = (seq.prompt_len - 1) // self.page_size
+            with self._lock:
+                self.exports[seq.rid] = (seq.transfer_to, seq.namespace, seq.tokens[:pages * self.page_size],
+                                         *export_pages(self.runner.kv, self.runner.state, seq, pages))
         self.batcher.finish(seq)
         subject, out = self._output(seq, new)
         with self._lock:
@@ -450,6 +468,32 @@ class Engine(RadixExchange):
         out.finished, out.finish_reason, out.matched_stop = True, seq.finish_reason, seq.matched_stop
         out.input_logprobs, out.input_top_logprobs = seq.input_logprobs, seq.input_top_logprobs
         return subject, out
+
+    def import_pages(self, msg: KVPages) -> tuple[int, int]:
+        """Another executor's pages (KVPages) for the host tier, checked here (a clear error for a
+        sender that disagrees on the model or the layout) and stored by the compute thread before
+        it admits anything else. Returns (pages, bytes) taken."""
+        if self.tiers is None:
+            raise BadRequest("this executor has no host tier to take pages into (start it with --kv-host-pages)")
+        shape, dtype = self.tiers.page_shape(), self.runner.kv.k[0].dtype
+        if msg.dtype != str(dtype).replace("torch.", ""):
+            raise BadRequest(f"pages in {msg.dtype}, this pool holds {dtype}")
+        per = 2 * math.prod(shape) * dtype_bytes(dtype)
+        if msg.count <= 0 or len(msg.data) != msg.count * per or len(msg.tokens) < (msg.first + msg.count) * self.page_size:
+            raise BadRequest(f"{len(msg.data)} bytes and {len(msg.tokens)} tokens do not make {msg.count} pages "
+                             f"of {per} bytes from page {msg.first}")
+        states = self.tiers.state_tensors()
+        if msg.state and len(msg.state) != sum(math.prod(sh) * dtype_bytes(dt) for sh, dt in states):
+            raise BadRequest("the state does not match this model's")
+        raw = torch.frombuffer(bytearray(msg.data), dtype=dtype).view(msg.count, 2, *shape)
+        state, off = [], 0
+        for sh, dt in states if msg.state else ():
+            n = math.prod(sh) * dtype_bytes(dt)
+            state.append(torch.frombuffer(bytearray(msg.state[off:off + n]), dtype=dt).view(sh))
+            off += n
+        with self._lock:
+            self._imports.append((msg.namespace, list(msg.tokens), msg.first, raw[:, 0], raw[:, 1], state))
+        return msg.count, len(msg.data) + len(msg.state)
 
     def _error(self, seq: Sequence, code: int, message: str) -> tuple[str, SeqOutput]:
         seq.finish("error")

@@ -42,13 +42,36 @@ _SUM = 32          # blake2b digest of the payload, after the magic
 
 
 def model_identity(model: str, kv: "KVPool", page_size: int) -> str:
-    """What a page's bytes depend on besides its tokens, for keys that disk files outlive: the
-    checkpoint (its directory and its weight files' sizes and times), the pool's dtype and page size."""
-    root = Path(model).resolve()
-    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in root.glob("*")
-                   if p.suffix in (".safetensors", ".bin", ".json"))
+    """What a page's bytes depend on besides its tokens, for keys that outlive the process (disk files)
+    and cross it (pages moved to another executor): the checkpoint by content, not by where it lies
+    (its config.json and its weight files' names and sizes), the pool's dtype and page size."""
+    root = Path(model)
+    config = hashlib.blake2b((root / "config.json").read_bytes(), digest_size=16).hexdigest() \
+        if (root / "config.json").exists() else ""
+    files = sorted((p.name, p.stat().st_size) for p in root.glob("*") if p.suffix in (".safetensors", ".bin"))
     dtype = kv.k[0].dtype if kv.k else None
-    return f"{root}|{files}|{dtype}|{page_size}"
+    return f"{config}|{files}|{dtype}|{page_size}"
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's bytes as they lie (numpy has no bfloat16: such a tensor is read as bytes)."""
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def export_pages(kv: "KVPool", state: "StatePool | None", seq: "Sequence",
+                 pages: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """seq's first `pages` pages as host copies (K and V, [pages, attention layers, page_size, kv heads,
+    head_dim]) and, on a hybrid model, its state after them (from the checkpoint slot planned there;
+    empty if none): what a prefill executor moves to a decode executor (KVPages)."""
+    ps = kv.page_size
+    idx = torch.tensor(seq.pages[:pages], dtype=torch.int64, device=kv.k[0].device)
+    k = torch.stack([t.view(-1, ps, *t.shape[1:]).index_select(0, idx) for t in kv.k], 1).cpu()
+    v = torch.stack([t.view(-1, ps, *t.shape[1:]).index_select(0, idx) for t in kv.v], 1).cpu()
+    out = []
+    slot = seq.checkpoints.get(pages * ps) if state is not None else None
+    if slot is not None:
+        out = [t[slot].cpu().clone() for t in state.recurrent + state.conv]
+    return k, v, out
 
 
 def chain(prev: bytes, tokens: list[int]) -> bytes:
@@ -146,6 +169,19 @@ class _Host:
         return slot
 
 
+class _Keys:
+    """The keys of a prompt's pages in a namespace, for pages that arrive without a Sequence."""
+
+    def __init__(self, root: bytes, namespace: str, tokens: list[int]):
+        self.tokens, self.ks = tokens, [chain(root, list(namespace.encode()))]
+
+    def upto(self, pages: int, ps: int) -> list[bytes]:
+        while len(self.ks) <= pages:
+            i = len(self.ks) - 1
+            self.ks.append(chain(self.ks[-1], self.tokens[i * ps:(i + 1) * ps]))
+        return self.ks[1:]
+
+
 class KVTiers:
     def __init__(self, kv: "KVPool", state: "StatePool | None", *, host_pages: int, disk_dir: str = "",
                  disk_pages: int = 0, identity: str = "", host_states: int = 0):
@@ -223,12 +259,12 @@ class KVTiers:
 
     def _spill_page(self, key: bytes, slot: int) -> None:
         if self.disk is not None:
-            self.disk.put(key + b".kv", b"".join(t[slot].contiguous().numpy().tobytes() for t in self.host.store))
+            self.disk.put(key + b".kv", b"".join(raw_bytes(t[slot]) for t in self.host.store))
             self.counters["tier_spilled_pages_total"] += 1
 
     def _spill_state(self, key: bytes, slot: int) -> None:
         if self.disk is not None:
-            self.disk.put(key + b".kvs", b"".join(t[slot].contiguous().numpy().tobytes() for t in self.host_states.store))
+            self.disk.put(key + b".kvs", b"".join(raw_bytes(t[slot]) for t in self.host_states.store))
 
     # ------------------------------------------------------------ loading (at admission)
 
@@ -349,6 +385,41 @@ class KVTiers:
                 or self.disk and ks[n - 1] + b".kvs" in self.disk:
             return 0
         return n * self.ps
+
+    # ------------------------------------------------------------ moving pages between executors
+
+    def page_shape(self) -> tuple[int, ...]:
+        """One page's K (or V): [attention layers, page_size, kv heads, head_dim]."""
+        return tuple(self.host.store[0].shape[1:])
+
+    def put(self, namespace: str, tokens: list[int], first: int, k: torch.Tensor, v: torch.Tensor,
+            state: list[torch.Tensor] = ()) -> int:
+        """Pages first .. of the prompt `tokens` in `namespace` (K and V as export gives them) into the
+        host tier, and a hybrid state after the last of them; returns the pages stored."""
+        n = k.shape[0]
+        ks = _Keys(self.root, namespace, tokens).upto(first + n, self.ps)
+        stored = 0
+        for i in range(n):
+            key = ks[first + i]
+            if self.host.get(key) is not None:
+                continue
+            slot = self.host.slot_for(key, self._spill_page)
+            if slot is None:
+                break
+            self.host.store[0][slot].copy_(k[i])
+            self.host.store[1][slot].copy_(v[i])
+            stored += 1
+        if state and self.state is not None and self.host_states.capacity:
+            key = ks[first + n - 1]
+            slot = self.host_states.get(key)
+            slot = slot if slot is not None else self.host_states.slot_for(key, self._spill_state)
+            for store, t in zip(self.host_states.store, state):
+                store[slot].copy_(t)
+        return stored
+
+    def state_tensors(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The shapes and dtypes of one state (hybrid), in the order export and put take them."""
+        return [(tuple(t.shape[1:]), t.dtype) for t in self.host_states.store]
 
     # ------------------------------------------------------------ reporting
 

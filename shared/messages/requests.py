@@ -228,6 +228,28 @@ class ExecRequest(Msg):
     burst: int = 0                    # submissions the scheduler still held when it sent this one (its
                                       # only executor): an idle executor's admission waits for them too
                                       # (up to burst_wait_s)
+    # prefill/decode disaggregation: a prefill-only request whose prompt KV (whole pages, and a hybrid
+    # model's state at their end) goes to this executor's host tier before its end is reported
+    transfer_to: str = ""
+
+
+class KVPages(Msg):
+    """Executor -> executor: pages of a prompt's KV, `first` .. first + count - 1, for the receiver's
+    host tier (tiers.py), which names them by namespace and tokens as its own pages. `data`: per page
+    its K then V, each [attention layers, page_size, kv heads, head_dim] in `dtype`, pages in order;
+    `state` (hybrid, on the last part): the DeltaNet state after the last page, its tensors in order."""
+    namespace: str
+    tokens: list[TokenId]             # the prompt up to the end of the last page of this part
+    first: int
+    count: int
+    dtype: str
+    data: bytes
+    state: bytes = b""
+
+
+class KVPagesStored(Msg):
+    pages: int
+    bytes: int
 
 
 class ExecAccepted(Msg):
@@ -284,6 +306,10 @@ class ExecutorInfo(Msg):
     # the model's own sampling defaults (generation_config.json: temperature, top_p, top_k, min_p,
     # repetition_penalty), for the request fields a client leaves unset; empty with --sampling-defaults openai
     sampling_defaults: dict[str, float] = msgspec.field(default_factory=dict)
+    # disaggregation: "prefill" (sent long prompts' prefills only), "decode" or "both"; and whether its
+    # host tier can receive pages from a prefill executor
+    role: str = "both"
+    takes_pages: bool = False
 
 
 # ---------------------------------------------------------------- grammar
