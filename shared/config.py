@@ -70,6 +70,7 @@ class ExecutorConfig:
     kv_host_pages: int = 0            # KV tiers: evicted pages kept in this many host-memory pages (0: none)
     kv_disk_dir: str = ""             # ... and below them in files under this directory (empty: no disk tier)
     kv_disk_pages: int = 0            # ... at most this many
+    role: str = "both"                # disaggregation: prefill (long prompts' prefills only) | decode | both
     sampling_defaults: str = "model"  # model: generation_config.json's temperature, top_p, ... for fields a request
                                       # leaves unset (vLLM's and SGLang's default); openai: the API's own defaults
 
@@ -97,6 +98,9 @@ class SchedulerConfig:
                                       # sampled again (new seed) up to this many times, then a clear error
     check_budget_s: float = 1.0       # ... and one check (a schema's patterns included) gets this long: past
                                       # it the request fails with a 400 (shared/patterns.py)
+    disagg_min_tokens: int = 1024     # disaggregation: a prompt with at least this many tokens to compute goes
+                                      # through a prefill executor first, when there is one (0: never; disagg.py)
+    disagg_max_queue: int = 4         # ... whose queue is shorter than this; else it prefills where it decodes
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,12 @@ def _serving_args(p: argparse.ArgumentParser) -> None:
                         "step also carrying one token of every decoding request (default 2048; 0: off)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--disable-radix-cache", action="store_true", default=None)
+    p.add_argument("--role", choices=("prefill", "decode", "both"), default=None,
+                   help="disaggregation: this executor takes only long prompts' prefills (prefill), or requests "
+                        "as ever (decode, both; default both). A decode executor takes pages with --kv-host-pages")
+    p.add_argument("--disagg-min-tokens", type=int, default=None,
+                   help="disaggregation: prompts with at least this many tokens to compute go through a prefill "
+                        "executor when one is up (default 1024; 0: never)")
     p.add_argument("--kv-host-pages", type=int, default=None,
                    help="KV tiers: keep pages the cache evicts in this many host-memory pages (default 0: none)")
     p.add_argument("--kv-disk-dir", default=None, help="KV tiers: below host memory, page files in this directory")
@@ -92,6 +98,7 @@ def _overrides(a: argparse.Namespace) -> dict:
                 ex_mixed_chunk_tokens=a.mixed_chunk_tokens, ex_max_model_len=a.max_model_len,
                 ex_disable_radix_cache=a.disable_radix_cache, ex_state_slots=a.state_slots,
                 ex_kv_host_pages=a.kv_host_pages, ex_kv_disk_dir=a.kv_disk_dir, ex_kv_disk_pages=a.kv_disk_pages,
+                ex_role=a.role, sc_disagg_min_tokens=a.disagg_min_tokens,
                 ex_sampling_defaults=a.sampling_defaults,
                 ex_decode_reserve=a.decode_reserve,
                 ex_overlap=False if a.disable_overlap else None,

@@ -469,6 +469,10 @@ class Engine(RadixExchange):
         out.input_logprobs, out.input_top_logprobs = seq.input_logprobs, seq.input_top_logprobs
         return subject, out
 
+    def take_export(self, rid: str) -> tuple | None:
+        with self._lock:
+            return self.exports.pop(rid, None)
+
     def import_pages(self, msg: KVPages) -> tuple[int, int]:
         """Another executor's pages (KVPages) for the host tier, checked here (a clear error for a
         sender that disagrees on the model or the layout) and stored by the compute thread before

@@ -26,15 +26,17 @@ from radixflow.shared.actor import Actor
 from radixflow.shared.bus import Bus
 from radixflow.shared.config import ExecutorConfig, ServiceConfig
 from radixflow.shared.recent import Recent
+from radixflow.shared.errors import RadixflowError, ServiceUnavailable
 from radixflow.shared.messages import (AbortRequest, CacheHints, ExecAccepted, ExecRequest, ExecutorInfo, Heartbeat,
-                                       LiveQuery, LiveReply, MemoryReply, Replay, Replayed, Sample, SeqOutput,
-                                       StatusRequest, StepOutput)
+                                       KVPages, KVPagesStored, LiveQuery, LiveReply, MemoryReply, Replay, Replayed,
+                                       Sample, SeqOutput, StatusRequest, StepOutput)
 
 from .engine import Engine, EngineConfig
 from .grammars import GrammarStore
 from .memory import realized
 from .models.spec import sampling_defaults
 from .pages import RemotePages
+from .transfer import parts
 
 
 ENDED_KEEP_S = 2.0    # a request whose end was published this recently still counts as known (LiveQuery)
@@ -57,6 +59,13 @@ class ExecutorService(Actor):
         self.route(subjects.executor_submit(self.instance), ExecRequest, self.submit)
         self.route(subjects.executor_abort(self.instance), AbortRequest, self.abort, drain_last=True)
         self.route(subjects.executor_hints(self.instance), CacheHints, self.hints, drain_last=True)
+        self.route(subjects.executor_kv(self.instance), KVPages, self.kv_pages)
+        if config.role not in ("prefill", "decode", "both"):
+            raise ValueError(f"role must be prefill, decode or both, not {config.role!r}")
+        self._transfers: set[asyncio.Task] = set()     # prefill requests' pages on their way (disaggregation)
+        self.transfer_counters = {"kv_transfer_pages_sent_total": 0, "kv_transfer_bytes_sent_total": 0,
+                                  "kv_transfer_pages_received_total": 0, "kv_transfer_bytes_received_total": 0,
+                                  "kv_transfer_failed_total": 0}
         self.route(subjects.heartbeat("scheduler"), Heartbeat, self.on_scheduler_heartbeat, drain_last=True)
         self.route(subjects.MEMORY, StatusRequest, self.memory, drain_last=True)
         self.route(subjects.live(self.service, self.instance), LiveQuery, self.live, drain_last=True)
@@ -266,7 +275,46 @@ class ExecutorService(Actor):
                 if s not in self._owner.values():
                     del self._subject_seen[s]
 
-    async def _publish(self, outs: list[tuple[str, SeqOutput]]) -> None:
+    async def kv_pages(self, msg: KVPages) -> KVPagesStored:
+        """A prefill executor's pages for our host tier (disaggregation; Engine.import_pages checks them)."""
+        if self.engine is None:
+            raise ServiceUnavailable("the model is still loading")
+        pages, nbytes = self.engine.import_pages(msg)
+        self.transfer_counters["kv_transfer_pages_received_total"] += pages
+        self.transfer_counters["kv_transfer_bytes_received_total"] += nbytes
+        self._wake.set()
+        return KVPagesStored(pages=pages, bytes=nbytes)
+
+    async def _transfer(self, subject: str, out: SeqOutput, export: tuple) -> None:
+        """Move a finished prefill request's pages to its decode executor, then report its end (the
+        scheduler sends the request there once it has it). A failed move ends it with an error, on
+        which the scheduler sends the request on all the same (the decode executor computes it)."""
+        target = export[0]
+        try:
+            for part in parts(export):
+                await self.bus.request(subjects.executor_kv(target), part, KVPagesStored, timeout=10)
+                self.transfer_counters["kv_transfer_pages_sent_total"] += part.count
+                self.transfer_counters["kv_transfer_bytes_sent_total"] += len(part.data) + len(part.state)
+        except RadixflowError as e:
+            self.transfer_counters["kv_transfer_failed_total"] += 1
+            self.log.warning("moving pages failed", rid=out.rid, to=target, error=e.message)
+            out = msgspec.structs.replace(out, finish_reason="error", error_code=503,
+                                          error=f"moving the prompt's KV to executor {target} failed: {e.message}")
+        await self._publish([(subject, out)], hold=False)
+
+    async def _publish(self, outs: list[tuple[str, SeqOutput]], hold: bool = True) -> None:
+        if hold and self.engine.exports:
+            # a prefill request's end waits for its pages to reach their decode executor (_transfer)
+            keep = []
+            for subject, o in outs:
+                export = self.engine.take_export(o.rid) if o.finished else None
+                if export is None:
+                    keep.append((subject, o))
+                    continue
+                task = asyncio.create_task(self._transfer(subject, o, export))
+                self._transfers.add(task)
+                task.add_done_callback(self._transfers.discard)
+            outs = keep
         by_subject: dict[str, list[SeqOutput]] = defaultdict(list)
         for subject, o in outs:
             by_subject[subject].append(o)
@@ -282,14 +330,15 @@ class ExecutorService(Actor):
         return ExecutorInfo(model=self.model_name, max_model_len=e.max_model_len if e else 0,
                             vocab_size=e.spec.vocab_size if e else 0, running=e.num_running if e else 0,
                             waiting=e.num_waiting if e else 0, page_size=e.page_size if e else self.cfg.page_size,
-                            draining=self.draining, sampling_defaults=self.sampling_defaults)
+                            draining=self.draining, sampling_defaults=self.sampling_defaults, role=self.cfg.role,
+                            takes_pages=e is not None and e.tiers is not None)
 
     def heartbeat_detail(self) -> dict:
         import msgspec
         return msgspec.to_builtins(self.info())
 
     def status(self) -> dict:
-        return self.heartbeat_detail() | (self.engine.stats() if self.engine else {})
+        return self.heartbeat_detail() | (self.engine.stats() if self.engine else {}) | self.transfer_counters
 
     def metrics(self) -> list[Sample]:
         if self.engine is None:
@@ -302,6 +351,7 @@ class ExecutorService(Actor):
                  "running", "waiting") + tuple(n for n in st if n.startswith("tier_"))
         return [Sample(name=n if n.endswith("_total") or n.startswith("tier_") else f"requests_{n}", value=st[n])
                 for n in names] \
+            + [Sample(name=n, value=v) for n, v in self.transfer_counters.items()] \
             + [x for h in (*self.engine.step_seconds.values(), self.engine.queue_seconds) for x in h.samples()]
 
 

@@ -34,6 +34,7 @@ from .detok import Detokenizer
 from .output import OutputPath
 from .programs import ProgramDriver
 from .recovery import Recovery
+from .disagg import Handoff, pick_prefill
 from .siblings import Siblings, child_rid
 from .structured import Checks, OutputCheck, check_constraint
 from .routing import Candidate, Router
@@ -61,6 +62,8 @@ class SchedulerService(OutputPath, Actor):
         self.table = RequestTable()
         self.executors: dict[str, ExecutorState] = {}
         self.siblings: dict[str, Siblings] = {}     # rid of a request with n > 1 -> its children
+        self.handoffs: dict[str, Handoff] = {}      # rid of a request in its prefill stage (disagg.py)
+        self.disagg_counters = {"disagg_prefills_total": 0, "disagg_prefill_failed_total": 0}
         self.resampled_total = 0                    # structured outputs sampled again after a failed check
         self.checks = Checks()                      # the final output checks, off the event loop
         self._checking: set[asyncio.Task] = set()   # requests whose end waits for their check (output.py)
@@ -130,7 +133,8 @@ class SchedulerService(OutputPath, Actor):
                 Sample(name="structured_resamples_total", value=self.resampled_total),
                 Sample(name="structured_check_timeouts_total", value=self.checks.timeouts),
                 Sample(name="requests_retried_total", value=self.recovery.retried_total),
-                Sample(name="output_tokens_replayed_total", value=self.recovery.replayed_total)] + self.programs.metrics() \
+                Sample(name="output_tokens_replayed_total", value=self.recovery.replayed_total)] \
+            + [Sample(name=n, value=v) for n, v in self.disagg_counters.items()] + self.programs.metrics() \
             + self.tenants.samples() + self.ttft.samples() + self.itl.samples() + self.e2e.samples()
 
     # ------------------------------------------------------------ executors
@@ -166,19 +170,22 @@ class SchedulerService(OutputPath, Actor):
             raise ServiceUnavailable("no executor is available")
         return live
 
-    async def place(self, live: list[ExecutorState], namespace: str, ids: list[int]) -> ExecutorState:
+    async def place(self, live: list[ExecutorState], namespace: str, ids: list[int],
+                    cached: dict[str, int] | None = None) -> ExecutorState:
         """Cache-aware placement (routing.py): the cached prefix each executor would reuse, as radix
         knows it, weighed against its load. With one executor there is nothing to ask; if radix
-        cannot answer, what this scheduler routed recently and the load decide."""
+        cannot answer, what this scheduler routed recently and the load decide. `cached`, when
+        given, gets radix's answer. Prefill executors (disagg.py) take no request of their own."""
+        live = [e for e in live if e.info.role != "prefill"] or live
         if len(live) == 1:
             return live[0]
-        cached: dict[str, int] = {}
+        cached = {} if cached is None else cached
         if self.router.policy != "round_robin":
             try:
                 reply = await self.bus.request(subjects.RADIX_PLACE, RadixPlace(
                     namespace=namespace, token_ids=ids, pools=[e.instance for e in live]), RadixPlaceReply,
                     timeout=2, idempotent=True)
-                cached = reply.cached_tokens
+                cached.update(reply.cached_tokens)
             except RadixflowError as e:
                 self.log.warning("placement without radix", error=e.message)
         # load: what this scheduler sent there and has not seen end, or the executor's own queue
@@ -240,7 +247,8 @@ class SchedulerService(OutputPath, Actor):
         try:
             grammar_key, check = await self.compile(req.constraint, req.tenant)
             namespace = namespace_of(req.cache_scope or req.tenant, req.cache_salt)
-            ex = await self.place(live, namespace, ids)
+            cached: dict[str, int] = {}
+            ex = await self.place(live, namespace, ids, cached)
             # counted at once: a burst's placements run concurrently, and each must see the others
             ex.inflight += req.n == 1
             deadline = time.monotonic() + self.cfg.request_timeout_s
@@ -257,11 +265,17 @@ class SchedulerService(OutputPath, Actor):
                 # prefill of the preamble (no state where the siblings part). Sent once: a resample
                 # or a recovery re-sends t.exec_req, which announces nothing
                 burst = self.queued(subjects.SCHEDULER_SUBMIT) if len(live) == 1 else 0
-                await self.dispatch(ex, exec_req, Tracked(
+                tracked = Tracked(
                     rid=req.rid, stream_subject=req.stream_subject, executor=ex.instance, prompt_tokens=len(ids),
                     sampling=req.sampling, deadline=deadline, stream=req.stream, check=check, ticket=ticket,
                     json=req.json_stream, origin=req.origin, batch=req.stream_batch,
-                    prompt_ids=ids[start:] if start >= 0 else []), reserved=True, burst=burst)
+                    prompt_ids=ids[start:] if start >= 0 else [])
+                pf = None if start >= 0 else pick_prefill(live, ex, len(ids), cached.get(ex.instance, 0),
+                                                          self.cfg.disagg_min_tokens, self.cfg.disagg_max_queue)
+                if pf is not None:
+                    await Handoff(self, pf, ex, exec_req, tracked).start()
+                else:
+                    await self.dispatch(ex, exec_req, tracked, reserved=True, burst=burst)
             else:
                 await self._fan_out(ex, req, exec_req, check, deadline, ticket)
         finally:
@@ -347,6 +361,9 @@ class SchedulerService(OutputPath, Actor):
         are not touched)."""
         by_exec: dict[str, list[str]] = {}
         scoped = [ids_.scoped(req.tenant, rid) for rid in req.rids]
+        for rid in scoped:
+            if (h := self.handoffs.get(rid)) is not None:
+                await h.cancel()
         rids = [r for rid in scoped for r in ([rid] + (self.siblings[rid].children if rid in self.siblings else []))]
         for rid in rids:
             t = self.table.get(rid)
@@ -378,7 +395,8 @@ class SchedulerService(OutputPath, Actor):
 
     async def live(self, q: LiveQuery) -> LiveReply:
         """The asked requests and programs this scheduler still has, or ended moments ago."""
-        return LiveReply(rids=[r for r in q.rids if r in self.table or r in self.siblings or r in self.programs.runs
+        return LiveReply(rids=[r for r in q.rids if r in self.table or r in self.siblings or r in self.handoffs
+                               or r in self.programs.runs
                                or r in self.ended])
 
     async def _abort_quietly(self, executor: str, rids: list[str]) -> None:

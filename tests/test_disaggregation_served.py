@@ -1,0 +1,128 @@
+"""Prefill/decode disaggregation through the services: a prefill executor and a decode executor on one
+bus answer as one executor does (greedy), long prompts go through the prefill executor and short
+ones do not, the bytes moved are the pages', and a prefill executor that dies mid-way costs a retry
+on the decode executor, not the request."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import aiohttp
+import pytest
+import torch
+
+from radixflow.services.stack import ORDER, Stack, stack_config
+from radixflow.shared.bus import Bus
+from radixflow.shared.natsd import NatsServer
+
+from . import stacks
+
+PAGE = 16
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 8000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class Split:
+    """Every service but the executors in one Stack, then a prefill and a decode executor."""
+
+    def __init__(self, model: str, **over):
+        self.model, self.over = model, over
+
+    async def __aenter__(self) -> "Split":
+        from radixflow.services.executor.service import ExecutorService
+        self.nats = NatsServer().start()
+        cfg = stack_config(self.nats.url, self.model, gw_port=0, sc_disagg_min_tokens=256, **self.over)
+        self.stack = await Stack(cfg, names=tuple(n for n in ORDER if n != "executor")).start()
+        self.execs: dict[str, tuple] = {}
+        for role, extra in (("prefill", {}), ("decode", {"kv_host_pages": 512})):
+            bus = Bus(f"radixflow-executor-{role}", cfg.bus)
+            await bus.connect()
+            ex = ExecutorService(bus, dataclasses.replace(cfg.executor, role=role, **extra), cfg.service)
+            await ex.start()
+            self.execs[role] = (ex, bus)
+        self.base = f"http://127.0.0.1:{self.stack.actors['gateway'].port}"
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
+        sched = self.stack.actors["scheduler"]
+        for _ in range(1200):
+            async with self.http.get(self.base + "/health") as r:
+                if r.status == 200 and len(sched.live_executors()) == 2:
+                    break
+            await asyncio.sleep(0.05)
+        else:
+            raise RuntimeError("the split stack did not serve with 2 executors")
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.http.close()
+        await self.stack.stop()
+        for ex, bus in self.execs.values():
+            if ex.engine is not None:
+                await ex.drain(5)
+                await ex.stop()
+            await bus.close()
+        self.nats.stop()
+
+
+async def _gen(http, base: str, ids: list[int], n: int = 8) -> dict:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    async with http.post(base + "/generate", json=body) as r:
+        out = await r.json()
+        assert r.status == 200, out
+        return out
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-hybrid"])
+async def test_a_prefill_and_a_decode_executor_answer_as_one(models, preset):
+    prompts = [_prompt(i, 300 + 37 * i) for i in range(4)] + [_prompt(9, 100)]      # the last one is short
+    st = await stacks.start(models[preset])
+    try:
+        want = [await _gen(st.http, st.base, p) for p in prompts]
+    finally:
+        await stacks.stop(st)
+    async with Split(models[preset]) as sp:
+        got = [await _gen(sp.http, sp.base, p) for p in prompts[:2]]
+        got += list(await asyncio.gather(*(_gen(sp.http, sp.base, p) for p in prompts[2:])))
+        pre, dec = sp.execs["prefill"][0], sp.execs["decode"][0]
+        sent, recv = pre.transfer_counters, dec.transfer_counters
+        sched = sp.stack.actors["scheduler"]
+        assert sched.disagg_counters == {"disagg_prefills_total": 4, "disagg_prefill_failed_total": 0}
+        pages = sum((len(p) - 1) // PAGE for p in prompts[:4])
+        spec = dec.engine.spec
+        page_bytes = 2 * len(spec.attn_layers) * PAGE * spec.num_kv_heads * spec.head_dim * 4
+        state_bytes = recv["kv_transfer_bytes_received_total"] - pages * page_bytes
+        assert sent["kv_transfer_pages_sent_total"] == recv["kv_transfer_pages_received_total"] == pages
+        assert sent["kv_transfer_bytes_sent_total"] == recv["kv_transfer_bytes_received_total"]
+        if preset == "tiny-dense":
+            assert state_bytes == 0                                   # exactly the pages' bytes
+        else:
+            assert state_bytes > 0 and state_bytes % 4 == 0           # and one state per prompt
+        # the decode executor computed only what follows the moved pages; the short prompt went there alone
+        assert dec.engine.counters["prefill_tokens_computed_total"] == \
+            sum(len(p) - (len(p) - 1) // PAGE * PAGE for p in prompts[:4]) + len(prompts[4])
+        assert pre.engine.counters["requests_total"] == 4
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    assert [g["meta_info"]["cached_tokens"] for g in got[:4]] == [(len(p) - 1) // PAGE * PAGE for p in prompts[:4]]
+
+
+async def test_a_prefill_executor_that_dies_costs_a_retry_not_the_request(models):
+    """The prefill executor stops answering mid-way (its bus closed under it, as a kill leaves it):
+    requests whose prefill stage it held are decoded (prompt computed) on the decode executor, each
+    with one answer, equal to one executor's."""
+    prompts = [_prompt(20 + i, 400) for i in range(3)]
+    st = await stacks.start(models["tiny-dense"])
+    try:
+        want = [await _gen(st.http, st.base, p) for p in prompts]
+    finally:
+        await stacks.stop(st)
+    async with Split(models["tiny-dense"], sc_executor_timeout_s=1.0) as sp:
+        _, bus = sp.execs["prefill"]
+        tasks = [asyncio.create_task(_gen(sp.http, sp.base, p)) for p in prompts]
+        await asyncio.sleep(0.05)
+        await bus.close()                  # no more outputs, pages or heartbeats from it
+        got = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        sched = sp.stack.actors["scheduler"]
+        assert sched.disagg_counters["disagg_prefill_failed_total"] + sched.disagg_counters["disagg_prefills_total"] == 3
+        assert sched.disagg_counters["disagg_prefill_failed_total"] >= 1
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
