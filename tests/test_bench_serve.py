@@ -67,3 +67,17 @@ async def test_shared_prefix_against_an_openai_server(stack):
     # per run, the first request computes its preamble; the other three reuse its full pages
     assert 0 < out["prefix_hit_rate"] < 1
     assert 96 <= out["prefill_tokens_computed"] <= 96 + 4 * 8 + 4 * 16
+
+
+def test_serve_split_layout_runs_both_layouts_on_the_same_load(models):
+    """`bench serve --layout split`: two mixed executors, then a prefill and a decode executor, the same
+    agent load; the split layout moved pages and every call completed in both (counts, not times)."""
+    from radixflow.services.bench.serve import ServeConfig, run_layouts
+    cfg = ServeConfig(mode="agent", levels=(4,), requests=2, preamble=256, suffix=32, fanout=3, output_len=8)
+    out = run_layouts(models["tiny-dense"], cfg, min_tokens=128)
+    for side in ("mixed", "split"):
+        (row,) = out[side]
+        assert row["completed"] == 6 and row["failed"] == 0, row
+    assert out["split_moves"]["disagg_prefills_total"] >= 2 and out["split_moves"]["kv_transfer_pages"] >= 2 * 16
+    assert set(out["ratios"][0]) == {"level", "itl_p99_split_over_mixed", "ttft_p50_split_over_mixed",
+                                     "output_tok_s_split_over_mixed"}

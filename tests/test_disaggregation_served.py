@@ -5,15 +5,11 @@ on the decode executor, not the request."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
-import aiohttp
 import pytest
 import torch
 
-from radixflow.services.stack import ORDER, Stack, stack_config
-from radixflow.shared.bus import Bus
-from radixflow.shared.natsd import NatsServer
+from radixflow.services.bench.common import served_executors
 
 from . import stacks
 
@@ -24,45 +20,11 @@ def _prompt(seed: int, n: int) -> list[int]:
     return torch.randint(3, 8000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-class Split:
-    """Every service but the executors in one Stack, then a prefill and a decode executor."""
-
-    def __init__(self, model: str, **over):
-        self.model, self.over = model, over
-
-    async def __aenter__(self) -> "Split":
-        from radixflow.services.executor.service import ExecutorService
-        self.nats = NatsServer().start()
-        cfg = stack_config(self.nats.url, self.model, gw_port=0, sc_disagg_min_tokens=256, **self.over)
-        self.stack = await Stack(cfg, names=tuple(n for n in ORDER if n != "executor")).start()
-        self.execs: dict[str, tuple] = {}
-        for role, extra in (("prefill", {}), ("decode", {"kv_host_pages": 512})):
-            bus = Bus(f"radixflow-executor-{role}", cfg.bus)
-            await bus.connect()
-            ex = ExecutorService(bus, dataclasses.replace(cfg.executor, role=role, **extra), cfg.service)
-            await ex.start()
-            self.execs[role] = (ex, bus)
-        self.base = f"http://127.0.0.1:{self.stack.actors['gateway'].port}"
-        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
-        sched = self.stack.actors["scheduler"]
-        for _ in range(1200):
-            async with self.http.get(self.base + "/health") as r:
-                if r.status == 200 and len(sched.live_executors()) == 2:
-                    break
-            await asyncio.sleep(0.05)
-        else:
-            raise RuntimeError("the split stack did not serve with 2 executors")
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.http.close()
-        await self.stack.stop()
-        for ex, bus in self.execs.values():
-            if ex.engine is not None:
-                await ex.drain(5)
-                await ex.stop()
-            await bus.close()
-        self.nats.stop()
+def split(model: str, **over):
+    """Every service but the executors, then a prefill executor and a decode executor (with a host
+    tier to take pages); prompts with 256 tokens to compute go through the prefill one."""
+    return served_executors(model, [{"role": "prefill"}, {"role": "decode", "kv_host_pages": 512}],
+                            sc_disagg_min_tokens=256, **over)
 
 
 async def _gen(http, base: str, ids: list[int], n: int = 8) -> dict:
@@ -81,12 +43,11 @@ async def test_a_prefill_and_a_decode_executor_answer_as_one(models, preset):
         want = [await _gen(st.http, st.base, p) for p in prompts]
     finally:
         await stacks.stop(st)
-    async with Split(models[preset]) as sp:
-        got = [await _gen(sp.http, sp.base, p) for p in prompts[:2]]
-        got += list(await asyncio.gather(*(_gen(sp.http, sp.base, p) for p in prompts[2:])))
-        pre, dec = sp.execs["prefill"][0], sp.execs["decode"][0]
+    async with split(models[preset]) as (stack, http, base, (pre, dec)):
+        got = [await _gen(http, base, p) for p in prompts[:2]]
+        got += list(await asyncio.gather(*(_gen(http, base, p) for p in prompts[2:])))
         sent, recv = pre.transfer_counters, dec.transfer_counters
-        sched = sp.stack.actors["scheduler"]
+        sched = stack.actors["scheduler"]
         assert sched.disagg_counters == {"disagg_prefills_total": 4, "disagg_prefill_failed_total": 0}
         pages = sum((len(p) - 1) // PAGE for p in prompts[:4])
         spec = dec.engine.spec
@@ -116,13 +77,12 @@ async def test_a_prefill_executor_that_dies_costs_a_retry_not_the_request(models
         want = [await _gen(st.http, st.base, p) for p in prompts]
     finally:
         await stacks.stop(st)
-    async with Split(models["tiny-dense"], sc_executor_timeout_s=1.0) as sp:
-        _, bus = sp.execs["prefill"]
-        tasks = [asyncio.create_task(_gen(sp.http, sp.base, p)) for p in prompts]
+    async with split(models["tiny-dense"], sc_executor_timeout_s=1.0) as (stack, http, base, (pre, _)):
+        tasks = [asyncio.create_task(_gen(http, base, p)) for p in prompts]
         await asyncio.sleep(0.05)
-        await bus.close()                  # no more outputs, pages or heartbeats from it
+        await pre.bus.close()              # no more outputs, pages or heartbeats from it
         got = await asyncio.wait_for(asyncio.gather(*tasks), 60)
-        sched = sp.stack.actors["scheduler"]
+        sched = stack.actors["scheduler"]
         assert sched.disagg_counters["disagg_prefill_failed_total"] + sched.disagg_counters["disagg_prefills_total"] == 3
         assert sched.disagg_counters["disagg_prefill_failed_total"] >= 1
     assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]

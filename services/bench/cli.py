@@ -60,7 +60,11 @@ def run(a: argparse.Namespace) -> int:
         cfg = ServeConfig(mode=a.mode, requests=a.num_prompts, input_len=a.input_len, output_len=a.output_len,
                           preamble=a.preamble, suffix=a.suffix, fanout=a.fanout,
                           levels=tuple(float(x) for x in (a.levels or ("1,4,16" if a.mode == "random" else "0.5,1,2")).split(",")))
-        out = run_serve(model, cfg, a.against, a.plot)
+        if a.layout == "split":
+            from radixflow.services.bench.serve import run_layouts
+            out = run_layouts(model, cfg, a.disagg_min_tokens if a.disagg_min_tokens is not None else cfg.preamble // 2)
+        else:
+            out = run_serve(model, cfg, a.against, a.plot)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(out, f, indent=2)

@@ -120,6 +120,50 @@ async def served(model: str, **overrides):
                 await stack.stop()
 
 
+@asynccontextmanager
+async def served_executors(model: str, executors: list[dict], **overrides):
+    """The full service path with several executors, each with its own ExecutorConfig changes
+    (`executors`: e.g. [{"role": "prefill"}, {"role": "decode", "kv_host_pages": 4096}]); yields
+    (stack, http, base, executor services) once the scheduler sees them all."""
+    import dataclasses
+
+    from radixflow.services.executor.service import ExecutorService
+    from radixflow.services.stack import ORDER
+    from radixflow.shared.bus import Bus
+    with NatsServer(max_payload=8 * 1024 * 1024) as nats:
+        cfg = stack_config(nats.url, model, gw_port=0, **overrides)
+        stack = await Stack(cfg, names=tuple(n for n in ORDER if n != "executor")).start()
+        execs: list[tuple[ExecutorService, Bus]] = []
+        try:
+            for i, changes in enumerate(executors):
+                bus = Bus(f"radixflow-executor-{i}", cfg.bus)
+                await bus.connect()
+                ex = ExecutorService(bus, dataclasses.replace(cfg.executor, **changes), cfg.service)
+                execs.append((ex, bus))
+                await ex.start()
+            base = f"http://127.0.0.1:{stack.actors['gateway'].port}"
+            sched = stack.actors["scheduler"]
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as http:
+                for _ in range(1200):
+                    async with http.get(base + "/health") as r:
+                        if r.status == 200 and len(sched.live_executors()) == len(executors):
+                            break
+                    await asyncio.sleep(0.05)
+                else:
+                    raise RuntimeError(f"the stack did not serve with {len(executors)} executors in 60 s")
+                yield stack, http, base, [ex for ex, _ in execs]
+        finally:
+            await stack.stop()
+            for ex, bus in execs:
+                try:
+                    if ex.engine is not None:
+                        await ex.drain(5)
+                    await ex.stop()
+                except Exception:  # noqa: BLE001  an executor a test cut off from the bus stops as it can
+                    pass
+                await bus.close()
+
+
 async def generate(http: aiohttp.ClientSession, base: str, body: dict | bytes) -> dict:
     """POST /generate; `body` may come encoded already (see encoded)."""
     async with http.post(base + "/generate", data=body if isinstance(body, bytes) else json.dumps(body)) as r:

@@ -206,6 +206,33 @@ async def sweep(url: str, cfg: ServeConfig, name: str, radix=None) -> list[dict]
     return rows
 
 
+# --layout split: one prefill and one decode executor against two mixed ones, one core each (torch's
+# thread count is the process's: 1 for both layouts, so each executor's compute thread has a core)
+SPLIT = [{"role": "prefill", "num_threads": 1}, {"role": "decode", "kv_host_pages": 8192, "num_threads": 1}]
+MIXED = [{"role": "both", "num_threads": 1}, {"role": "both", "num_threads": 1}]
+
+
+def run_layouts(model: str, cfg: ServeConfig, min_tokens: int) -> dict:
+    """The same load on two mixed executors and on a prefill + a decode executor, in one run."""
+    from .common import served_executors
+    with open(os.path.join(model, "config.json")) as f:
+        cfg.vocab = min(cfg.vocab, json.load(f)["vocab_size"])
+
+    async def layout(executors):
+        async with served_executors(model, executors, sc_disagg_min_tokens=min_tokens) as (stack, _, base, execs):
+            rows = await sweep(base, cfg, "split" if executors is SPLIT else "mixed")
+            return rows, stack.actors["scheduler"].disagg_counters | {
+                "kv_transfer_pages": sum(e.transfer_counters["kv_transfer_pages_received_total"] for e in execs)}
+    mixed, _ = asyncio.run(layout(MIXED))
+    split, moved = asyncio.run(layout(SPLIT))
+    ratios = [{"level": m["level"], "itl_p99_split_over_mixed": round(s["itl_ms_p99"] / m["itl_ms_p99"], 3),
+               "ttft_p50_split_over_mixed": round(s["ttft_ms_p50"] / m["ttft_ms_p50"], 3),
+               "output_tok_s_split_over_mixed": round(s["output_tok_s"] / m["output_tok_s"], 3)}
+              for m, s in zip(mixed, split)]
+    return {"model": model, "config": cfg.__dict__ | {"levels": list(cfg.levels)}, "disagg_min_tokens": min_tokens,
+            "mixed": mixed, "split": split, "split_moves": moved, "ratios": ratios}
+
+
 def run_serve(model: str, cfg: ServeConfig, against: str | None = None, plot: str | None = None) -> dict:
     from .common import served
     with open(os.path.join(model, "config.json")) as f:

@@ -405,6 +405,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="shared-prefix, scaling: leave an --against server on this machine running while "
                         "radixflow's side runs (by default it is paused: its idle polling slows a 2-core machine)")
     p.add_argument("--plot", default=None, help="serve: write throughput and TTFT curves to this PNG")
+    p.add_argument("--layout", choices=("one", "split"), default="one",
+                   help="serve: one executor (beside --against), or split: a prefill and a decode executor "
+                        "against two mixed ones, in one run")
+    p.add_argument("--disagg-min-tokens", type=int, default=None,
+                   help="serve --layout split: prompts with this many tokens to compute go through the prefill "
+                        "executor (default: half the preamble)")
     p.add_argument("--sessions", type=int, default=8, help="multiturn: sessions, each with a preamble of its own")
     p.add_argument("--turns", type=int, default=4, help="multiturn: turns per session")
     p.add_argument("--pool-tokens", type=int, default=0,
