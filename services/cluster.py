@@ -47,6 +47,9 @@ class ClusterConfig:
     counts: dict[str, int] = field(default_factory=dict)   # service -> processes (default 1 each)
     args: tuple[str, ...] = ()         # serving flags given to every `radixflow service`
     env: dict[str, str] = field(default_factory=dict)
+    # more variables for one process, by "service-i" label (e.g. {"executor-0": {"RADIXFLOW_EXECUTOR_ROLE":
+    # "prefill"}}: a prefill and a decode executor)
+    label_env: dict[str, dict[str, str]] = field(default_factory=dict)
     restart: bool = True
     log_dir: str = ""                  # empty: children write to this process's stdout/stderr
     stop_timeout_s: float = 40.0
@@ -121,7 +124,7 @@ class Cluster:
         argv += list(cfg.args)
         if name == "gateway":
             argv += ["--host", cfg.host, "--port", str(cfg.port)]
-        env = dict(os.environ) | cfg.env | (self.creds.env if self.creds else {})
+        env = dict(os.environ) | cfg.env | cfg.label_env.get(f"{name}-{i}", {}) | (self.creds.env if self.creds else {})
         if name == "gateway" and cfg.count("gateway") > 1:
             env["RADIXFLOW_GATEWAY_REUSE_PORT"] = "1"
         if name == "executor" and cfg.count("executor") > 1:

@@ -33,10 +33,11 @@ FAST_FAILURE_ENV = {"RADIXFLOW_SCHEDULER_EXECUTOR_TIMEOUT_S": "1.5", "RADIXFLOW_
                     "RADIXFLOW_BUS_CONNECT_TIMEOUT_S": "60"}
 
 
-def stream(base: str, i: int, max_tokens: int, schema: dict | None = None) -> dict:
+def stream(base: str, i: int, max_tokens: int, schema: dict | None = None, prompt: str = "") -> dict:
     """One streaming completion. Returns what ended it ('done' | 'error' | 'hang'), how many
     terminal events the stream carried, when it ended and the tokens it streamed."""
-    body = {"model": "tiny-hybrid", "prompt": f"Request {i}: tell a long story about the sea.", "max_tokens": max_tokens,
+    body = {"model": "tiny-hybrid", "prompt": f"Request {i}: " + (prompt or "tell a long story about the sea."),
+            "max_tokens": max_tokens,
             "temperature": 0.8, "seed": i, "ignore_eos": True, "stream": True}
     if schema:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
@@ -78,11 +79,11 @@ def stream(base: str, i: int, max_tokens: int, schema: dict | None = None) -> di
 
 
 def burst(c: Cluster, fault=None, after_s: float = 2.0, n: int = N, max_tokens: int = 160,
-          schema: dict | None = None) -> tuple[list[dict], float]:
+          schema: dict | None = None, prompt: str = "") -> tuple[list[dict], float]:
     """n streams at once; `fault()` after `after_s`. Returns the outcomes and when the fault struck."""
     struck = time.monotonic()
     with cf.ThreadPoolExecutor(n) as ex:
-        futs = [ex.submit(stream, c.base, i, max_tokens, schema) for i in range(n)]
+        futs = [ex.submit(stream, c.base, i, max_tokens, schema, prompt) for i in range(n)]
         if fault is not None:
             time.sleep(after_s)
             struck = time.monotonic()

@@ -86,3 +86,29 @@ async def test_a_prefill_executor_that_dies_costs_a_retry_not_the_request(models
         assert sched.disagg_counters["disagg_prefill_failed_total"] + sched.disagg_counters["disagg_prefills_total"] == 3
         assert sched.disagg_counters["disagg_prefill_failed_total"] >= 1
     assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+
+
+async def test_a_decode_executor_that_dies_mid_transfer_ends_each_request_once(models):
+    """The decode executor stops answering while prompts are on their way to it: every request ends
+    exactly once (an answer, from the prefill executor taking it, or one clear error), nothing hangs,
+    and the prefill executor's pool is left with no page held by a request."""
+    prompts = [_prompt(40 + i, 400) for i in range(3)]
+    async with split(models["tiny-dense"], sc_executor_timeout_s=1.0) as (stack, http, base, (pre, dec)):
+        async def one(p):
+            body = {"input_ids": p, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+            async with http.post(base + "/generate", json=body) as r:
+                return r.status, await r.json()
+        tasks = [asyncio.create_task(one(p)) for p in prompts]
+        await asyncio.sleep(0.05)
+        await dec.bus.close()
+        outs = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        for status, out in outs:
+            assert status == 200 and len(out["output_ids"]) == 8 or status >= 500 and "error" in out, (status, out)
+        for _ in range(100):               # the last releases reach radix with the next exchange
+            occ = (await (await http.get(base + "/v1/memory")).json())["executors"]
+            mine = [e["occupancy"] for e in occ if e["instance"] == pre.instance]
+            if mine and mine[0].get("kv_pages_private", 0) == 0 and mine[0].get("requests_held", 0) == 0:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError(f"pages still held on the prefill executor: {mine}")
