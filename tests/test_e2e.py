@@ -149,8 +149,11 @@ BAD = [
     ("/v1/chat/completions", {"model": "tiny-hybrid", "messages": "nope"}, "Expected `array"),
     ("/v1/chat/completions", {"model": "tiny-hybrid", "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": "tiny-hybrid", "messages": [{"role": "user", "content": "x"}], "n": 200}, "n must"),
-    ("/v1/chat/completions", {"model": "tiny-hybrid", "messages": [{"role": "user", "content": "x"}], "tools": []},
-     "unknown field `tools`"),
+    ("/v1/chat/completions", {"model": "tiny-hybrid", "messages": [{"role": "user", "content": "x"}], "toolz": []},
+     "unknown field `toolz`"),
+    # tools reach the chat template; a forced call is refused (no tool-call parser makes the model call one)
+    ("/v1/chat/completions", {"model": "tiny-hybrid", "messages": [{"role": "user", "content": "x"}],
+                              "tools": [], "tool_choice": "required"}, "tool_choice"),
     ("/v1/completions", {"model": "tiny-hybrid", "prompt": "x", "suffix": "y"}, "suffix"),
     ("/v1/completions", {"model": "tiny-hybrid", "prompt": "x", "max_tokens": -1}, "max_new_tokens"),
     ("/v1/completions", {"prompt": "x"}, "model"),
