@@ -151,7 +151,8 @@ class Batcher:
         Its release caches what it computed, so its next admission mostly reuses that."""
         self.running.remove(seq)
         self.releases.append(Release(rid=seq.rid, output_ids=seq.tokens[seq.prefill_len:], computed=seq.computed_len,
-                                     tail=seq.tail_pos))
+                                     tail=seq.tail_pos, unfilled=seq.unfilled))
+        seq.unfilled = []
         seq.resume_len = len(seq.tokens)
         seq.logprob_start = -1       # its prompt logprobs were collected by its first prefill
         seq.status = Status.WAITING
@@ -228,7 +229,9 @@ class Batcher:
             self.running.remove(seq)
             pin = seq.pin if seq.finish_reason in ("stop", "length") else ""
             self.releases.append(Release(rid=seq.rid, output_ids=seq.tokens[seq.prefill_len:], computed=seq.computed_len,
-                                         tail=seq.tail_pos, pin=pin, pin_ttl_s=seq.pin_ttl_s, discard=seq.discard))
+                                         tail=seq.tail_pos, pin=pin, pin_ttl_s=seq.pin_ttl_s, discard=seq.discard,
+                                         unfilled=seq.unfilled))
+            seq.unfilled = []
             self._retry = True
         elif seq in self.waiting:
             self.waiting.remove(seq)

@@ -364,7 +364,8 @@ class Engine(RadixExchange):
             if not decoding:
                 self.counters["prefill_tokens_computed_total"] += ext
                 if self.cache and seq.computed_len <= seq.prefill_len:
-                    self.batcher.progress.append(Progress(rid=seq.rid, computed=seq.computed_len))
+                    self.batcher.progress.append(Progress(rid=seq.rid, computed=seq.computed_len, unfilled=seq.unfilled))
+                    seq.unfilled = []
                 if seq.prefill_only and seq.computed_len == seq.prompt_len:
                     seq.finish("length")
                     outs.append(self._finish(seq, []))

@@ -80,6 +80,7 @@ class Sequence:
     # and the keys of its pages so far (the namespace's root first)
     loaded_len: int = 0
     tier_keys: list[bytes] = field(default_factory=list)
+    unfilled: list[int] = field(default_factory=list)   # planned checkpoints a tier load went past (Progress)
     transfer_to: str = ""        # disaggregation: a prefill-only request whose pages go to this executor
 
     def __post_init__(self) -> None:

@@ -18,8 +18,9 @@ every tier as in the device pool. A state checkpoint at a page boundary is named
 
 Loading is all or nothing per page, in order, and stops at the first page no tier has (or whose disk
 file is missing, truncated or fails its checksum: the file is dropped and the tokens are computed).
-A hybrid request loads up to the deepest page boundary that has its state in a tier and for which
-every checkpoint planned on the way has its state there too (radix attaches those at progress).
+A hybrid request loads up to the deepest page boundary that has its state in a tier; a checkpoint
+radix planned on the way gets its state from the tier, or, where the tier has none, is reported
+unfilled (Progress.unfilled) and radix frees its slot instead of attaching it.
 Loaded pages are the request's own fresh pages: its progress puts them in the radix tree as computed.
 """
 from __future__ import annotations
@@ -347,26 +348,29 @@ class KVTiers:
         return n * self.ps
 
     def _resumable(self, seq: "Sequence", start: int, n: int, ks: list[bytes]) -> tuple[int, int | None]:
-        """Hybrid: of the n pages found from `start` on, how many to load (the deepest page boundary
-        whose state a tier has, with every planned checkpoint up to it in a tier too, which are
-        filled from there), and the tier slot of the state at that boundary."""
+        """Hybrid: of the n pages found from `start` on, how many to load (up to the deepest page
+        boundary whose state a tier has), and the tier slot of that state. The checkpoints radix
+        planned on the way are filled from the tier where it has their states; the others are
+        `seq.unfilled`, whose slots radix frees instead of attaching (Progress.unfilled)."""
         first = start // self.ps
-        planned: list[tuple[int, int, int]] = []        # (pages in, tier slot, planned slot)
+        planned: list[tuple[int, int | None, int]] = []        # (pages in, tier slot or None, planned slot)
         best, best_slot = 0, None
         for j in range(1, n + 1):
             slot = self._state(ks[first + j - 1])
             dst = seq.checkpoints.get((first + j) * self.ps)
             if dst is not None:
-                if slot is None:
-                    break                    # radix attaches this checkpoint at progress: it must hold the state
                 planned.append((j, slot, dst))
             if slot is not None:
                 best, best_slot = j, slot
         for j, src, dst in planned:
-            if j <= best:
-                for store, t in zip(self.host_states.store, self.state.recurrent + self.state.conv):
-                    t[dst].copy_(store[src])
-                self.slot_key[dst] = ks[first + j - 1]
+            if j > best:
+                continue
+            if src is None:
+                seq.unfilled.append((first + j) * self.ps)
+                continue
+            for store, t in zip(self.host_states.store, self.state.recurrent + self.state.conv):
+                t[dst].copy_(store[src])
+            self.slot_key[dst] = ks[first + j - 1]
         return best, best_slot
 
     def known_boundary(self, seq: "Sequence") -> int:

@@ -210,7 +210,7 @@ class PagePool(Admission, Pins):
         if h is None or not self.cache:
             return
         self._insert(h, p.computed)
-        self._attach_planned(h, p.computed)
+        self._attach_planned(h, p.computed, p.unfilled)
 
     def _insert(self, h: Held, computed: int) -> None:
         """Insert the first `computed` tokens (whole pages) and move the request's lock down to them."""
@@ -236,10 +236,10 @@ class PagePool(Admission, Pins):
             return True
         return False
 
-    def _attach_planned(self, h: Held, computed: int) -> None:
+    def _attach_planned(self, h: Held, computed: int, unfilled: list[int] = ()) -> None:
         for pos in [p for p in h.planned if p <= computed]:
             slot = h.planned.pop(pos)
-            if not self._checkpoint(h, pos, slot):
+            if pos in unfilled or not self._checkpoint(h, pos, slot):
                 self._free_states.append(slot)
 
     def _done_computing(self, h: Held) -> None:
@@ -263,7 +263,7 @@ class PagePool(Admission, Pins):
             self._insert(h, r.computed)
         if self.hybrid:
             if not r.discard:
-                self._attach_planned(h, r.computed)
+                self._attach_planned(h, r.computed, r.unfilled)
             self._free_states.extend(h.planned.values())
             keep_tail = r.tail > 0 and not r.discard and self._checkpoint(h, r.tail, h.tail)
             self._free_states.extend([h.working] + ([] if keep_tail else [h.tail]))

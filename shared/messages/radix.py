@@ -69,6 +69,9 @@ class Progress(Msg):
     Hybrid: the planned checkpoints up to `computed` now hold their states."""
     rid: str
     computed: int
+    # planned checkpoints (positions) a load from the KV tiers went past without their states: their
+    # slots are freed, not attached (tiers.py)
+    unfilled: list[int] = []
 
 
 class Release(Msg):
@@ -80,6 +83,7 @@ class Release(Msg):
     pin: str = ""                     # keep the inserted prefix locked under this key (RadixUnpin frees it)
     pin_ttl_s: float = 0.0            # ... for at most this long
     discard: bool = False             # cancelled: cache nothing more; what it inserted is evicted first
+    unfilled: list[int] = []          # as Progress.unfilled, when no progress carried them
 
 
 class Demote(Msg):
