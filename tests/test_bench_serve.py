@@ -74,7 +74,7 @@ def test_serve_split_layout_runs_both_layouts_on_the_same_load(models):
     agent load; the split layout moved pages and every call completed in both (counts, not times)."""
     from radixflow.services.bench.serve import ServeConfig, run_layouts
     cfg = ServeConfig(mode="agent", levels=(4,), requests=2, preamble=256, suffix=32, fanout=3, output_len=8)
-    out = run_layouts(models["tiny-dense"], cfg, min_tokens=128)
+    out = run_layouts(models["tiny-dense"], cfg, min_tokens=128, processes=False)
     for side in ("mixed", "split"):
         (row,) = out[side]
         assert row["completed"] == 6 and row["failed"] == 0, row

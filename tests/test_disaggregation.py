@@ -46,7 +46,7 @@ def test_pages_moved_from_a_prefill_engine_decode_as_on_one(models, preset):
     first = _run(prefill, _req("p", ids, 0, transfer_to="decode-1"))
     assert first["reason"] == "length" and first["tokens"] == []
     export = prefill.exports.pop("p")
-    assert export[0] == "decode-1" and len(export[2]) == 320           # 20 whole pages of the 333 tokens
+    assert export[0] == "decode-1" and len(export[2]) == 320 and export[3] == 0   # 20 whole pages of the 333 tokens
     msgs = parts(export, max_bytes=200_000)
     assert len(msgs) > 1 and sum(m.count for m in msgs) == 20 and all(m.state == b"" for m in msgs[:-1])
     moved = sum(decode.import_pages(m)[1] for m in msgs)
@@ -79,3 +79,20 @@ def test_pages_that_do_not_fit_the_receiver_are_refused(models):
     if math.prod(other.tiers.page_shape()) != math.prod(receiver.tiers.page_shape()):
         with pytest.raises(BadRequest):
             other.import_pages(msg)
+
+
+def test_only_the_pages_the_decode_engine_lacks_move(models):
+    """transfer_from: the decode engine has the first 160 tokens cached (an earlier request over the
+    same preamble); only pages 10.. move, and the request decodes as on one engine."""
+    ids = torch.randint(3, 8000, (333,), generator=torch.Generator().manual_seed(6)).tolist()
+    prefill, decode = _engine(models["tiny-dense"]), _engine(models["tiny-dense"], kv_host_pages=256)
+    _run(decode, _req("warm", ids[:170], 1))                        # caches pages 0..9 there
+    _run(prefill, _req("p", ids, 0, transfer_to="d", transfer_from=160))
+    msgs = parts(prefill.exports.pop("p"))
+    assert msgs[0].first == 10 and sum(m.count for m in msgs) == 10
+    for m in msgs:
+        decode.import_pages(m)
+    got = _run(decode, _req("r", ids, 8))
+    want = _run(_engine(models["tiny-dense"], disable_radix_cache=True), _req("r", ids, 8))
+    assert got["tokens"] == want["tokens"] and got["cached"] == 320
+    assert decode.stats()["tier_loaded_tokens_total"] == 160

@@ -206,31 +206,68 @@ async def sweep(url: str, cfg: ServeConfig, name: str, radix=None) -> list[dict]
     return rows
 
 
-# --layout split: one prefill and one decode executor against two mixed ones, one core each (torch's
-# thread count is the process's: 1 for both layouts, so each executor's compute thread has a core)
+# --layout split: one prefill and one decode executor against two mixed ones, one core each
 SPLIT = [{"role": "prefill", "num_threads": 1}, {"role": "decode", "kv_host_pages": 8192, "num_threads": 1}]
 MIXED = [{"role": "both", "num_threads": 1}, {"role": "both", "num_threads": 1}]
 
 
-def run_layouts(model: str, cfg: ServeConfig, min_tokens: int) -> dict:
-    """The same load on two mixed executors and on a prefill + a decode executor, in one run."""
+async def _in_process(model: str, cfg: ServeConfig, executors: list[dict], min_tokens: int) -> tuple[list[dict], dict]:
     from .common import served_executors
+    async with served_executors(model, executors, sc_disagg_min_tokens=min_tokens) as (stack, _, base, execs):
+        rows = await sweep(base, cfg, "split" if executors is SPLIT else "mixed")
+        return rows, stack.actors["scheduler"].disagg_counters | {
+            "kv_transfer_pages": sum(e.transfer_counters["kv_transfer_pages_received_total"] for e in execs)}
+
+
+def _in_processes(model: str, cfg: ServeConfig, executors: list[dict], min_tokens: int) -> tuple[list[dict], dict]:
+    """Every service in its own OS process (services/cluster.py): the two executors share no GIL and
+    no event loop, as on two machines."""
+    from radixflow.services.cluster import Cluster, ClusterConfig
+    from radixflow.shared.natsd import free_port
+    env = {"RADIXFLOW_SCHEDULER_DISAGG_MIN_TOKENS": str(min_tokens)}
+    label_env = {f"executor-{i}": {f"RADIXFLOW_EXECUTOR_{k.upper()}": str(v) for k, v in e.items()}
+                 for i, e in enumerate(executors)}
+    with Cluster(ClusterConfig(model=model, port=free_port(), counts={"executor": len(executors)}, env=env,
+                               label_env=label_env)) as c:
+        c.wait_ready(300, executors=len(executors))
+        rows = asyncio.run(sweep(c.base, cfg, "split" if executors is SPLIT else "mixed"))
+        metrics = _scrape(c.base)
+    return rows, {"disagg_prefills_total": metrics.get("radixflow_disagg_prefills_total", 0),
+                  "disagg_prefill_failed_total": metrics.get("radixflow_disagg_prefill_failed_total", 0),
+                  "kv_transfer_pages": metrics.get("radixflow_kv_transfer_pages_received_total", 0)}
+
+
+def _scrape(base: str) -> dict[str, float]:
+    import urllib.request
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, val = line.rsplit(" ", 1)
+            out[key.split("{")[0]] = out.get(key.split("{")[0], 0.0) + float(val)
+    return out
+
+
+def run_layouts(model: str, cfg: ServeConfig, min_tokens: int, processes: bool = True) -> dict:
+    """The same load on two mixed executors and on a prefill + a decode executor, in one run; with
+    `processes`, every service in a process of its own (else all in this one: quicker to start, but
+    the executors then share one GIL and one event loop, which is not what the split is for)."""
     with open(os.path.join(model, "config.json")) as f:
         cfg.vocab = min(cfg.vocab, json.load(f)["vocab_size"])
 
-    async def layout(executors):
-        async with served_executors(model, executors, sc_disagg_min_tokens=min_tokens) as (stack, _, base, execs):
-            rows = await sweep(base, cfg, "split" if executors is SPLIT else "mixed")
-            return rows, stack.actors["scheduler"].disagg_counters | {
-                "kv_transfer_pages": sum(e.transfer_counters["kv_transfer_pages_received_total"] for e in execs)}
-    mixed, _ = asyncio.run(layout(MIXED))
-    split, moved = asyncio.run(layout(SPLIT))
+    def layout(executors):
+        if processes:
+            return _in_processes(model, cfg, executors, min_tokens)
+        return asyncio.run(_in_process(model, cfg, executors, min_tokens))
+    mixed, _ = layout(MIXED)
+    split, moved = layout(SPLIT)
     ratios = [{"level": m["level"], "itl_p99_split_over_mixed": round(s["itl_ms_p99"] / m["itl_ms_p99"], 3),
                "ttft_p50_split_over_mixed": round(s["ttft_ms_p50"] / m["ttft_ms_p50"], 3),
                "output_tok_s_split_over_mixed": round(s["output_tok_s"] / m["output_tok_s"], 3)}
               for m, s in zip(mixed, split)]
     return {"model": model, "config": cfg.__dict__ | {"levels": list(cfg.levels)}, "disagg_min_tokens": min_tokens,
-            "mixed": mixed, "split": split, "split_moves": moved, "ratios": ratios}
+            "processes": processes, "mixed": mixed, "split": split, "split_moves": moved, "ratios": ratios}
 
 
 def run_serve(model: str, cfg: ServeConfig, against: str | None = None, plot: str | None = None) -> dict:

@@ -170,7 +170,8 @@ class Engine(RadixExchange):
                        output_subject=req.output_subject, checkpoint_at=list(req.checkpoint_at),
                        priority=req.priority, quota_pages=req.quota_pages, pin=req.pin, pin_ttl_s=req.pin_ttl_s,
                        logprob_start=req.logprob_start,
-                       after=req.after, quiet=req.quiet, transfer_to=req.transfer_to)
+                       after=req.after, quiet=req.quiet, transfer_to=req.transfer_to,
+                       transfer_from=req.transfer_from // self.page_size * self.page_size)
         if req.transfer_to and self.spec.is_hybrid and (b := (seq.prompt_len - 1) // self.page_size * self.page_size):
             seq.checkpoint_at.append(b)       # the state where the moved pages end goes with them
         if grammar is not None:
@@ -411,7 +412,7 @@ class Engine(RadixExchange):
         if self.tiers is not None:
             # what the device now holds, by key: saved to the host tier when a grant reuses it
             for seq, before in zip(plan.seqs, befores):
-                if seq.computed_len > before:
+                if seq.computed_len > before and seq.status != Status.FINISHED:    # _finish keyed the others
                     self.tiers.computed(seq, before)
             for seq, slot, pos in tapped:
                 self.tiers.checkpointed(seq, slot, pos)
@@ -450,13 +451,16 @@ class Engine(RadixExchange):
                                              top_logprobs=seq.top_logprobs[start:seq.reported])
 
     def _finish(self, seq: Sequence, new: list[int]) -> tuple[str, SeqOutput]:
+        if self.tiers is not None and seq.pages:
+            self.tiers.computed(seq, 0)        # its pages, before the release gives them back
         if seq.transfer_to and seq.finish_reason == "length":
             # its pages are read now, before their release lets radix grant them again; the service
             # sends them and reports the end once they are stored there
             pages = (seq.prompt_len - 1) // self.page_size
+            first = min(seq.transfer_from // self.page_size, pages)
             with self._lock:
-                self.exports[seq.rid] = (seq.transfer_to, seq.namespace, seq.tokens[:pages * self.page_size],
-                                         *export_pages(self.runner.kv, self.runner.state, seq, pages))
+                self.exports[seq.rid] = (seq.transfer_to, seq.namespace, seq.tokens[:pages * self.page_size], first,
+                                         *export_pages(self.runner.kv, self.runner.state, seq, pages, first))
         self.batcher.finish(seq)
         subject, out = self._output(seq, new)
         with self._lock:

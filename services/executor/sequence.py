@@ -81,7 +81,8 @@ class Sequence:
     loaded_len: int = 0
     tier_keys: list[bytes] = field(default_factory=list)
     unfilled: list[int] = field(default_factory=list)   # planned checkpoints a tier load went past (Progress)
-    transfer_to: str = ""        # disaggregation: a prefill-only request whose pages go to this executor
+    transfer_to: str = ""        # disaggregation: a prefill-only request whose pages go to this executor ...
+    transfer_from: int = 0       # ... from this token on (what it has cached already)
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.tokens)

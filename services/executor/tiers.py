@@ -59,13 +59,13 @@ def raw_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def export_pages(kv: "KVPool", state: "StatePool | None", seq: "Sequence",
-                 pages: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """seq's first `pages` pages as host copies (K and V, [pages, attention layers, page_size, kv heads,
-    head_dim]) and, on a hybrid model, its state after them (from the checkpoint slot planned there;
-    empty if none): what a prefill executor moves to a decode executor (KVPages)."""
+def export_pages(kv: "KVPool", state: "StatePool | None", seq: "Sequence", pages: int,
+                 first: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """seq's pages first .. pages - 1 as host copies (K and V, [pages - first, attention layers,
+    page_size, kv heads, head_dim]) and, on a hybrid model, its state after them (from the checkpoint
+    slot planned there; empty if none): what a prefill executor moves to a decode executor (KVPages)."""
     ps = kv.page_size
-    idx = torch.tensor(seq.pages[:pages], dtype=torch.int64, device=kv.k[0].device)
+    idx = torch.tensor(seq.pages[first:pages], dtype=torch.int64, device=kv.k[0].device)
     k = torch.stack([t.view(-1, ps, *t.shape[1:]).index_select(0, idx) for t in kv.k], 1).cpu()
     v = torch.stack([t.view(-1, ps, *t.shape[1:]).index_select(0, idx) for t in kv.v], 1).cpu()
     out = []
@@ -220,7 +220,8 @@ class KVTiers:
     def computed(self, seq: "Sequence", before: int) -> None:
         """seq's KV now covers computed_len tokens (it covered `before`): its pages filled since
         hold their keys' KV."""
-        lo, hi = before // self.ps, seq.computed_len // self.ps
+        # only tokens the sequence has (a decode step's draft rows are computed before they are kept)
+        lo, hi = before // self.ps, min(seq.computed_len, len(seq.tokens), len(seq.pages) * self.ps) // self.ps
         if hi <= lo:
             return
         ks = self.keys(seq, hi)

@@ -10,7 +10,7 @@ The handoff (Handoff): a prefill-only copy of the request (rid + "/prefill", tra
 executor) runs on the prefill executor, which moves the prompt's whole pages (and a hybrid model's
 state) into the decode executor's host tier before it reports its end; then the request itself goes
 to the decode executor, which finds the pages there as an evicted prefix and computes only the last
-partial page. If the prefill stage fails (its executor died, the move failed), the request goes to
+partial page. Only the pages after what the decode executor has cached (radix's answer) move. If the prefill stage fails (its executor died, the move failed), the request goes to
 the decode executor all the same and computes its prompt there: a retry, not an error. A client's
 abort during the prefill stage stops it, and the request is never sent on.
 """
@@ -47,8 +47,9 @@ def pick_prefill(live: list["ExecutorState"], decode: "ExecutorState", prompt: i
 
 class Handoff:
     def __init__(self, sched: "SchedulerService", prefill: "ExecutorState", decode: "ExecutorState",
-                 req: ExecRequest, tracked: Tracked):
+                 req: ExecRequest, tracked: Tracked, cached: int = 0):
         self.sched, self.prefill, self.decode, self.req, self.tracked = sched, prefill, decode, req, tracked
+        self.cached = cached                # what the decode executor has cached of the prompt: not moved
         self.done = False
 
     async def start(self) -> None:
@@ -56,7 +57,8 @@ class Handoff:
         r = self.req
         sampling = msgspec.structs.replace(r.sampling, max_new_tokens=0, logprobs=False, top_logprobs=0)
         stage = msgspec.structs.replace(r, rid=stage_rid(r.rid), sampling=sampling, grammar_key=None, grammar=None,
-                                        logprob_start=-1, quiet=True, transfer_to=self.decode.instance)
+                                        logprob_start=-1, quiet=True, transfer_to=self.decode.instance,
+                                        transfer_from=self.cached)
         if self.tracked.ticket is not None:
             self.tracked.ticket.hold()      # the tenant's claim, across the gap between the two stages
         try:

@@ -273,7 +273,7 @@ class SchedulerService(OutputPath, Actor):
                 pf = None if start >= 0 else pick_prefill(live, ex, len(ids), cached.get(ex.instance, 0),
                                                           self.cfg.disagg_min_tokens, self.cfg.disagg_max_queue)
                 if pf is not None:
-                    await Handoff(self, pf, ex, exec_req, tracked).start()
+                    await Handoff(self, pf, ex, exec_req, tracked, cached.get(ex.instance, 0)).start()
                 else:
                     await self.dispatch(ex, exec_req, tracked, reserved=True, burst=burst)
             else:

@@ -231,6 +231,7 @@ class ExecRequest(Msg):
     # prefill/decode disaggregation: a prefill-only request whose prompt KV (whole pages, and a hybrid
     # model's state at their end) goes to this executor's host tier before its end is reported
     transfer_to: str = ""
+    transfer_from: int = 0            # ... all but the first this many tokens (whole pages), cached there already
 
 
 class KVPages(Msg):
