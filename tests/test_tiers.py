@@ -88,19 +88,20 @@ def test_a_tier_load_equals_recompute(models, preset):
     _run(eng, [("warm", PREAMBLES[0] + _tokens(8, 5), "default")])
     _run(eng, [(f"push{i}", p + _tokens(9, 5), "default") for i, p in enumerate(PREAMBLES[1:])])   # out of the pool
     before = eng.stats()["tier_loaded_tokens_total"]
-    eng.add(ExecRequest(rid="t", input_ids=target, eos_token_ids=[], logprob_start=0,
+    # prompt logprobs from just past the preamble (its state at 160 is in the tier): 160 tokens may load
+    eng.add(ExecRequest(rid="t", input_ids=target, eos_token_ids=[], logprob_start=161,
                         sampling=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True)))
     got = _drain(eng)
     assert eng.stats()["tier_loaded_tokens_total"] - before >= 144
     ref = _engine(models[preset], disable_radix_cache=True)
-    ref.add(ExecRequest(rid="t", input_ids=target, eos_token_ids=[], logprob_start=0,
+    ref.add(ExecRequest(rid="t", input_ids=target, eos_token_ids=[], logprob_start=161,
                         sampling=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True)))
     want = _drain(ref)
     assert got["tokens"] == want["tokens"]
     torch.testing.assert_close(torch.tensor(got["logprobs"]), torch.tensor(want["logprobs"]), atol=1e-4, rtol=0)
-    # the prompt's own logprobs after the loaded part come from the loaded KV
-    n = len(got["input"])
-    torch.testing.assert_close(torch.tensor(got["input"]), torch.tensor(want["input"][-n:]), atol=1e-4, rtol=0)
+    # the prompt's own logprobs after the loaded part come from the loaded KV, all that were asked for
+    assert len(got["input"]) == len(want["input"]) == len(target) - 161
+    torch.testing.assert_close(torch.tensor(got["input"]), torch.tensor(want["input"]), atol=1e-4, rtol=0)
 
 
 def _drain(eng: Engine) -> dict:
@@ -112,6 +113,40 @@ def _drain(eng: Engine) -> dict:
             if o.finished:
                 out["input"] = list(o.input_logprobs)
     return out
+
+
+def test_prompt_logprobs_from_the_start_load_nothing_and_come_whole(models):
+    eng = _engine(models["tiny-dense"], host=256)
+    _run(eng, _cycling(rounds=1))
+    before = eng.stats()["tier_loaded_tokens_total"]
+    ids = PREAMBLES[0] + _tokens(11, 12)
+    eng.add(ExecRequest(rid="lp", input_ids=ids, eos_token_ids=[], logprob_start=0,
+                        sampling=SamplingParams(max_new_tokens=1, temperature=0.0)))
+    got = _drain(eng)
+    assert eng.stats()["tier_loaded_tokens_total"] == before and len(got["input"]) == len(ids) - 1
+
+
+def test_one_save_of_more_pages_than_the_host_tier_holds_keeps_the_last_and_right_ones(models):
+    """A grant reusing more keyed pages than the host tier has slots: the most recent fit, each slot
+    holding its own key's page; a key two device pages hold is saved once."""
+    from radixflow.services.executor.memory import KVPool, MemoryPlan
+    from radixflow.services.executor.models import ModelSpec
+    from radixflow.services.executor.tiers import KVTiers
+    spec = ModelSpec.from_dir(models["tiny-dense"])
+    kv = KVPool(spec, MemoryPlan(page_size=PAGE, num_pages=16, num_state_slots=0, kv_dtype=torch.float32,
+                                 state_dtype=torch.float32), torch.device("cpu"))
+    for t in kv.k + kv.v:
+        t.copy_(torch.arange(16).repeat_interleave(PAGE)[:, None, None].float().expand_as(t))   # page p holds p
+    tiers = KVTiers(kv, None, host_pages=8)
+    keys = {p: bytes([p]) * 16 for p in range(12)}
+    tiers.page_key.update(keys)
+    tiers.page_key[12] = keys[11]                     # page 12 holds what page 11 does
+    tiers.reused(list(range(13)))
+    assert len(tiers.host.index) == 8 and sorted(tiers.host.index.values()) == list(range(8))
+    for key, slot in tiers.host.index.items():
+        page = key[0]
+        assert page >= 4                              # the last 8 distinct keys: pages 4..11
+        assert torch.all(tiers.host.store[0][slot] == page) and torch.all(tiers.host.store[1][slot] == page)
 
 
 def test_no_tier_crosses_a_cache_namespace(models):

@@ -458,9 +458,10 @@ class Engine(RadixExchange):
             # sends them and reports the end once they are stored there
             pages = (seq.prompt_len - 1) // self.page_size
             first = min(seq.transfer_from // self.page_size, pages)
+            export = (seq.transfer_to, seq.namespace, seq.tokens[:pages * self.page_size], first,
+                      *export_pages(self.runner.kv, self.runner.state, seq, pages, first))
             with self._lock:
-                self.exports[seq.rid] = (seq.transfer_to, seq.namespace, seq.tokens[:pages * self.page_size], first,
-                                         *export_pages(self.runner.kv, self.runner.state, seq, pages, first))
+                self.exports[seq.rid] = export
         self.batcher.finish(seq)
         subject, out = self._output(seq, new)
         with self._lock:

@@ -63,6 +63,7 @@ class ExecutorService(Actor):
         if config.role not in ("prefill", "decode", "both"):
             raise ValueError(f"role must be prefill, decode or both, not {config.role!r}")
         self._transfers: set[asyncio.Task] = set()     # prefill requests' pages on their way (disaggregation)
+        self._moving: set[str] = set()                 # ... their rids
         self.transfer_counters = {"kv_transfer_pages_sent_total": 0, "kv_transfer_bytes_sent_total": 0,
                                   "kv_transfer_pages_received_total": 0, "kv_transfer_bytes_received_total": 0,
                                   "kv_transfer_failed_total": 0}
@@ -162,6 +163,8 @@ class ExecutorService(Actor):
         while self.engine is not None and self.engine.has_work():
             await asyncio.sleep(0.02)
         await self._outbox.join()
+        if self._transfers:             # prefill requests' pages still on their way: their ends follow them
+            await asyncio.gather(*self._transfers, return_exceptions=True)
 
     async def on_stop(self) -> None:
         self._running.clear()
@@ -222,7 +225,8 @@ class ExecutorService(Actor):
         output may still be on its way)."""
         e = self.engine
         with e._lock:
-            known = set(e._live) | {s.rid for s in e._new}
+            known = set(e._live) | {s.rid for s in e._new} | set(e.exports)
+        known |= self._moving           # a prefill request whose pages are on their way (_transfer)
         return LiveReply(rids=[r for r in q.rids if r in known or r in self.ended])
 
     async def replay(self, q: Replay) -> Replayed:
@@ -290,17 +294,22 @@ class ExecutorService(Actor):
         scheduler sends the request there once it has it). A failed move ends it with an error, on
         which the scheduler sends the request on all the same (the decode executor computes it)."""
         target = export[0]
+        self._moving.add(out.rid)
         try:
-            for part in parts(export):
+            loop = asyncio.get_running_loop()
+            for part in await loop.run_in_executor(None, parts, export):      # packing: off the loop
                 await self.bus.request(subjects.executor_kv(target), part, KVPagesStored, timeout=10)
                 self.transfer_counters["kv_transfer_pages_sent_total"] += part.count
                 self.transfer_counters["kv_transfer_bytes_sent_total"] += len(part.data) + len(part.state)
-        except RadixflowError as e:
+        except Exception as e:  # noqa: BLE001  whatever stops the move, the request ends once
+            msg = e.message if isinstance(e, RadixflowError) else repr(e)
             self.transfer_counters["kv_transfer_failed_total"] += 1
-            self.log.warning("moving pages failed", rid=out.rid, to=target, error=e.message)
+            self.log.warning("moving pages failed", rid=out.rid, to=target, error=msg)
             out = msgspec.structs.replace(out, finish_reason="error", error_code=503,
-                                          error=f"moving the prompt's KV to executor {target} failed: {e.message}")
-        await self._publish([(subject, out)], hold=False)
+                                          error=f"moving the prompt's KV to executor {target} failed: {msg}")
+        finally:
+            await self._publish([(subject, out)], hold=False)
+            self._moving.discard(out.rid)
 
     async def _publish(self, outs: list[tuple[str, SeqOutput]], hold: bool = True) -> None:
         if hold and self.engine.exports:

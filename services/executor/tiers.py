@@ -111,7 +111,7 @@ class _Disk:
     def put(self, name: bytes, payload: bytes) -> None:
         if self.capacity <= 0:
             return
-        while len(self.index) >= self.capacity:
+        while name not in self.index and len(self.index) >= self.capacity:
             self._drop(next(iter(self.index)))
         tmp = self._path(name).with_suffix(".tmp")
         with open(tmp, "wb") as f:
@@ -237,17 +237,27 @@ class KVTiers:
 
     def reused(self, pages: list[int], slots: list[int] = ()) -> None:
         """These pages and slots were just granted: what they held is saved to the host tier first."""
-        save = [(p, k) for p in pages if (k := self.page_key.pop(p, None)) is not None
-                and self.host.get(k) is None and not (self.disk and k + b".kv" in self.disk)]
-        if save and self.host.capacity:
-            dst = [self.host.slot_for(k, self._spill_page) for _, k in save]
-            src = torch.tensor([p for p, _ in save], dtype=torch.int64, device=self.kv.k[0].device)
+        save, seen = [], set()
+        for p in pages:
+            k = self.page_key.pop(p, None)
+            # two device pages may hold one key (two requests computed one prefix): saved once
+            if k is None or k in seen or self.host.get(k) is not None or self.disk and k + b".kv" in self.disk:
+                continue
+            seen.add(k)
+            save.append((p, k))
+        # a part's slots are all taken before its pages are written, so a part is at most the tier's
+        # size: a bigger save would push out slots of its own part; earlier parts spill to disk
+        step = max(self.host.capacity, 1)
+        for at in range(0, len(save) if self.host.capacity else 0, step):
+            part = save[at:at + step]
+            dst = [self.host.slot_for(k, self._spill_page) for _, k in part]
+            src = torch.tensor([p for p, _ in part], dtype=torch.int64, device=self.kv.k[0].device)
             idx = torch.tensor(dst, dtype=torch.int64)
             for l, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
                 pk, pv = (t.view(-1, self.ps, *t.shape[1:]) for t in (k, v))
                 self.host.store[0][idx, l] = pk.index_select(0, src).to(self.host.store[0].device)
                 self.host.store[1][idx, l] = pv.index_select(0, src).to(self.host.store[1].device)
-            self.counters["tier_saved_pages_total"] += len(save)
+            self.counters["tier_saved_pages_total"] += len(part)
         for s in slots:
             k = self.slot_key.pop(s, None) if s >= 0 else None
             if k is None or self.state is None or self.host_states.get(k) is not None:
@@ -309,6 +319,8 @@ class KVTiers:
         if start % self.ps or self.host.capacity <= 0:
             return 0
         last = (seq.prefill_len - 1) // self.ps          # the last prompt token is always computed
+        if seq.logprob_start >= 0:                       # prompt logprobs from there on: their logits are computed
+            last = min(last, max(seq.logprob_start - 1, 0) // self.ps)
         if last <= start // self.ps:
             return 0
         ks = self.keys(seq, last)

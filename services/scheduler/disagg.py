@@ -16,6 +16,7 @@ abort during the prefill stage stops it, and the request is never sent on.
 """
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -61,16 +62,20 @@ class Handoff:
                                         transfer_from=self.cached)
         if self.tracked.ticket is not None:
             self.tracked.ticket.hold()      # the tenant's claim, across the gap between the two stages
+        self.sched.handoffs[r.rid] = self   # before the round trip: an abort meanwhile finds it
         try:
             await self.sched.dispatch(self.prefill, stage, Tracked(
                 rid=stage.rid, stream_subject="", executor=self.prefill.instance, prompt_tokens=len(r.input_ids),
                 sampling=sampling, deadline=self.tracked.deadline, stream=False, sink=self._on_stage,
                 origin=self.tracked.origin))
         except RadixflowError:
-            if self.tracked.ticket is not None:
-                self.tracked.ticket.release()
+            if not self.done:               # (an abort meanwhile gave these back already)
+                self.done = True
+                self.sched.handoffs.pop(r.rid, None)
+                self.decode.inflight -= 1   # counted when it was chosen (submit)
+                if self.tracked.ticket is not None:
+                    self.tracked.ticket.release()
             raise
-        self.sched.handoffs[r.rid] = self
 
     async def _on_stage(self, item: StreamChunk | StreamError) -> None:
         if isinstance(item, StreamChunk) and not item.finished or self.done:
@@ -82,6 +87,13 @@ class Handoff:
         if not moved:
             self.sched.log.warning("prefill stage failed: the decode executor computes the prompt",
                                    rid=self.req.rid, error=item.message)
+        # on a task of its own: this runs inside the output pass, which the dispatch's round trip
+        # (up to its timeout) would hold up for every other request
+        task = asyncio.get_running_loop().create_task(self._send_on())
+        self.sched.handoff_tasks.add(task)
+        task.add_done_callback(self.sched.handoff_tasks.discard)
+
+    async def _send_on(self) -> None:
         t = self.tracked
         try:
             await self.sched.dispatch(self.decode, self.req, t, reserved=True)

@@ -63,6 +63,7 @@ class SchedulerService(OutputPath, Actor):
         self.executors: dict[str, ExecutorState] = {}
         self.siblings: dict[str, Siblings] = {}     # rid of a request with n > 1 -> its children
         self.handoffs: dict[str, Handoff] = {}      # rid of a request in its prefill stage (disagg.py)
+        self.handoff_tasks: set[asyncio.Task] = set()   # ... and those being sent on to their decode executor
         self.disagg_counters = {"disagg_prefills_total": 0, "disagg_prefill_failed_total": 0}
         self.resampled_total = 0                    # structured outputs sampled again after a failed check
         self.checks = Checks()                      # the final output checks, off the event loop
@@ -177,7 +178,7 @@ class SchedulerService(OutputPath, Actor):
         cannot answer, what this scheduler routed recently and the load decide. `cached`, when
         given, gets radix's answer. Prefill executors (disagg.py) take no request of their own."""
         live = [e for e in live if e.info.role != "prefill"] or live
-        if len(live) == 1:
+        if len(live) == 1 and cached is None:
             return live[0]
         cached = {} if cached is None else cached
         if self.router.policy != "round_robin":
@@ -247,7 +248,8 @@ class SchedulerService(OutputPath, Actor):
         try:
             grammar_key, check = await self.compile(req.constraint, req.tenant)
             namespace = namespace_of(req.cache_scope or req.tenant, req.cache_salt)
-            cached: dict[str, int] = {}
+            # what each executor has cached, asked of radix when a prefill executor could take the prompt
+            cached: dict[str, int] | None = {} if any(e.info.role == "prefill" for e in live) else None
             ex = await self.place(live, namespace, ids, cached)
             # counted at once: a burst's placements run concurrently, and each must see the others
             ex.inflight += req.n == 1
@@ -270,7 +272,7 @@ class SchedulerService(OutputPath, Actor):
                     sampling=req.sampling, deadline=deadline, stream=req.stream, check=check, ticket=ticket,
                     json=req.json_stream, origin=req.origin, batch=req.stream_batch,
                     prompt_ids=ids[start:] if start >= 0 else [])
-                pf = None if start >= 0 else pick_prefill(live, ex, len(ids), cached.get(ex.instance, 0),
+                pf = None if start >= 0 or cached is None else pick_prefill(live, ex, len(ids), cached.get(ex.instance, 0),
                                                           self.cfg.disagg_min_tokens, self.cfg.disagg_max_queue)
                 if pf is not None:
                     await Handoff(self, pf, ex, exec_req, tracked, cached.get(ex.instance, 0)).start()
