@@ -11,12 +11,9 @@ the compute thread; they are queued and applied at the start of the next step.
 """
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import OrderedDict
-
-import torch
 
 from radixflow.shared import log
 from radixflow.shared.errors import BadRequest
@@ -33,8 +30,8 @@ from .runner import ModelRunner
 from .sampler import has_penalties
 from .sequence import Sequence, Status
 from .spelling import Speller
-from .memory import dtype_bytes
 from .tiers import KVTiers, export_pages, model_identity
+from .transfer import unpack
 
 __all__ = ["Engine", "EngineConfig"]     # EngineConfig lives in engine_config.py
 
@@ -485,24 +482,9 @@ class Engine(RadixExchange):
         it admits anything else. Returns (pages, bytes) taken."""
         if self.tiers is None:
             raise BadRequest("this executor has no host tier to take pages into (start it with --kv-host-pages)")
-        shape, dtype = self.tiers.page_shape(), self.runner.kv.k[0].dtype
-        if msg.dtype != str(dtype).replace("torch.", ""):
-            raise BadRequest(f"pages in {msg.dtype}, this pool holds {dtype}")
-        per = 2 * math.prod(shape) * dtype_bytes(dtype)
-        if msg.count <= 0 or len(msg.data) != msg.count * per or len(msg.tokens) < (msg.first + msg.count) * self.page_size:
-            raise BadRequest(f"{len(msg.data)} bytes and {len(msg.tokens)} tokens do not make {msg.count} pages "
-                             f"of {per} bytes from page {msg.first}")
-        states = self.tiers.state_tensors()
-        if msg.state and len(msg.state) != sum(math.prod(sh) * dtype_bytes(dt) for sh, dt in states):
-            raise BadRequest("the state does not match this model's")
-        raw = torch.frombuffer(bytearray(msg.data), dtype=dtype).view(msg.count, 2, *shape)
-        state, off = [], 0
-        for sh, dt in states if msg.state else ():
-            n = math.prod(sh) * dtype_bytes(dt)
-            state.append(torch.frombuffer(bytearray(msg.state[off:off + n]), dtype=dt).view(sh))
-            off += n
+        k, v, state = unpack(msg, self.tiers, self.runner.kv.k[0].dtype, self.page_size)
         with self._lock:
-            self._imports.append((msg.namespace, list(msg.tokens), msg.first, raw[:, 0], raw[:, 1], state))
+            self._imports.append((msg.namespace, list(msg.tokens), msg.first, k, v, state))
         return msg.count, len(msg.data) + len(msg.state)
 
     def _error(self, seq: Sequence, code: int, message: str) -> tuple[str, SeqOutput]:

@@ -26,21 +26,17 @@ Loaded pages are the request's own fresh pages: its progress puts them in the ra
 from __future__ import annotations
 
 import hashlib
-import os
 from array import array
-from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from .tier_stores import Disk, Host
+
 if TYPE_CHECKING:
     from .memory import KVPool, StatePool
     from .sequence import Sequence
-
-_MAGIC = b"RFKV1\n"
-_SUM = 32          # blake2b digest of the payload, after the magic
-
 
 def model_identity(model: str, kv: "KVPool", page_size: int) -> str:
     """What a page's bytes depend on besides its tokens, for keys that outlive the process (disk files)
@@ -52,11 +48,6 @@ def model_identity(model: str, kv: "KVPool", page_size: int) -> str:
     files = sorted((p.name, p.stat().st_size) for p in root.glob("*") if p.suffix in (".safetensors", ".bin"))
     dtype = kv.k[0].dtype if kv.k else None
     return f"{config}|{files}|{dtype}|{page_size}"
-
-
-def raw_bytes(t: torch.Tensor) -> bytes:
-    """A tensor's bytes as they lie (numpy has no bfloat16: such a tensor is read as bytes)."""
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def export_pages(kv: "KVPool", state: "StatePool | None", seq: "Sequence", pages: int,
@@ -80,96 +71,6 @@ def chain(prev: bytes, tokens: list[int]) -> bytes:
     return hashlib.blake2b(prev + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
-class _Disk:
-    """Files named by key under `root`, at most `capacity` of them (LRU; files already there from an
-    earlier run are indexed at start, oldest first). A file is magic, checksum, payload."""
-
-    def __init__(self, root: str, capacity: int):
-        self.root, self.capacity = Path(root), capacity
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.index: OrderedDict[bytes, None] = OrderedDict()
-        old = sorted(self.root.glob("*.kv*"), key=lambda p: p.stat().st_mtime)
-        for p in old:
-            try:
-                self.index[bytes.fromhex(p.name.split(".")[0]) + p.suffix.encode()] = None
-            except ValueError:
-                continue
-        self.corrupt = 0
-        while len(self.index) > self.capacity:
-            self._drop(next(iter(self.index)))
-
-    def _path(self, name: bytes) -> Path:
-        return self.root / (name[:16].hex() + name[16:].decode())
-
-    def _drop(self, name: bytes) -> None:
-        self.index.pop(name, None)
-        try:
-            os.unlink(self._path(name))
-        except FileNotFoundError:
-            pass
-
-    def put(self, name: bytes, payload: bytes) -> None:
-        if self.capacity <= 0:
-            return
-        while name not in self.index and len(self.index) >= self.capacity:
-            self._drop(next(iter(self.index)))
-        tmp = self._path(name).with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(_MAGIC + hashlib.blake2b(payload, digest_size=_SUM).digest() + payload)
-        os.replace(tmp, self._path(name))          # a reader never sees half a file under its name
-        self.index[name] = None
-
-    def get(self, name: bytes, size: int) -> bytes | None:
-        """The payload, or None (absent; or missing, short or failing its checksum: then dropped)."""
-        if name not in self.index:
-            return None
-        try:
-            raw = self._path(name).read_bytes()
-        except OSError:
-            raw = b""
-        head = len(_MAGIC) + _SUM
-        payload = raw[head:]
-        if (len(raw) != head + size or raw[:len(_MAGIC)] != _MAGIC
-                or hashlib.blake2b(payload, digest_size=_SUM).digest() != raw[len(_MAGIC):head]):
-            self.corrupt += 1
-            self._drop(name)
-            return None
-        self.index.move_to_end(name)
-        return payload
-
-    def __contains__(self, name: bytes) -> bool:
-        return name in self.index
-
-
-class _Host:
-    """`capacity` entries of tensors shaped like `shapes`, by key, LRU. Evicting one hands it to
-    `spill` (the disk tier) first."""
-
-    def __init__(self, capacity: int, shapes: list[tuple[tuple[int, ...], torch.dtype]], pin: bool):
-        self.capacity = capacity
-        self.store = [torch.empty((capacity, *s), dtype=d, pin_memory=pin) for s, d in shapes]
-        self.index: OrderedDict[bytes, int] = OrderedDict()
-        self.free = list(range(capacity - 1, -1, -1))
-
-    def slot_for(self, key: bytes, spill) -> int | None:
-        """A slot to write `key` into: a free one, or the least recent one's (spilled first)."""
-        if self.capacity <= 0:
-            return None
-        if not self.free:
-            old, slot = self.index.popitem(last=False)
-            spill(old, slot)
-            self.free.append(slot)
-        slot = self.free.pop()
-        self.index[key] = slot
-        return slot
-
-    def get(self, key: bytes) -> int | None:
-        slot = self.index.get(key)
-        if slot is not None:
-            self.index.move_to_end(key)
-        return slot
-
-
 class _Keys:
     """The keys of a prompt's pages in a namespace, for pages that arrive without a Sequence."""
 
@@ -191,12 +92,12 @@ class KVTiers:
         dev = kv.k[0].device if kv.k else torch.device("cpu")
         pin = dev.type == "cuda"
         page = [((len(kv.k), self.ps, *kv.k[0].shape[1:]), kv.k[0].dtype)] * 2 if kv.k else []
-        self.host = _Host(host_pages, page, pin)
+        self.host = Host(host_pages, page, pin)
         states = []
         if state is not None:
             states = [(t.shape[1:], t.dtype) for t in state.recurrent + state.conv]
-        self.host_states = _Host(host_states or (max(host_pages // 4, 8) if state is not None else 0), states, pin)
-        self.disk = _Disk(disk_dir, disk_pages) if disk_dir else None
+        self.host_states = Host(host_states or (max(host_pages // 4, 8) if state is not None else 0), states, pin)
+        self.disk = Disk(disk_dir, disk_pages) if disk_dir else None
         self.page_key: dict[int, bytes] = {}      # device page -> key of the KV it holds (whole pages only)
         self.slot_key: dict[int, bytes] = {}      # state slot -> key of the checkpoint it holds
         self.counters = {"tier_saved_pages_total": 0, "tier_saved_states_total": 0, "tier_host_hit_pages_total": 0,
@@ -271,46 +172,32 @@ class KVTiers:
 
     def _spill_page(self, key: bytes, slot: int) -> None:
         if self.disk is not None:
-            self.disk.put(key + b".kv", b"".join(raw_bytes(t[slot]) for t in self.host.store))
+            self.disk.put(key + b".kv", self.host.pack(slot))
             self.counters["tier_spilled_pages_total"] += 1
 
     def _spill_state(self, key: bytes, slot: int) -> None:
         if self.disk is not None:
-            self.disk.put(key + b".kvs", b"".join(raw_bytes(t[slot]) for t in self.host_states.store))
+            self.disk.put(key + b".kvs", self.host_states.pack(slot))
 
     # ------------------------------------------------------------ loading (at admission)
 
-    def _page_from_disk(self, key: bytes) -> int | None:
-        """A disk page brought into the host tier (its slot), or None."""
-        if self.disk is None:
+    def _from_disk(self, store: Host, key: bytes, suffix: bytes, spill) -> int | None:
+        """A disk entry brought up into a host store (its slot), or None."""
+        if self.disk is None or store.capacity <= 0:
             return None
-        sizes = [t[0].numel() * t.element_size() for t in self.host.store]
-        raw = self.disk.get(key + b".kv", sum(sizes))
+        raw = self.disk.get(key + suffix, store.entry_bytes)
         if raw is None:
             return None
-        slot = self.host.slot_for(key, self._spill_page)
-        if slot is None:
-            return None
-        off = 0
-        for t, n in zip(self.host.store, sizes):
-            t[slot].copy_(torch.frombuffer(bytearray(raw[off:off + n]), dtype=t.dtype).view(t.shape[1:]))
-            off += n
+        slot = store.slot_for(key, spill)
+        store.unpack(slot, raw)
         return slot
+
+    def _page_from_disk(self, key: bytes) -> int | None:
+        return self._from_disk(self.host, key, b".kv", self._spill_page)
 
     def _state(self, key: bytes) -> int | None:
         slot = self.host_states.get(key)
-        if slot is not None or self.disk is None or not self.host_states.capacity:
-            return slot
-        sizes = [t[0].numel() * t.element_size() for t in self.host_states.store]
-        raw = self.disk.get(key + b".kvs", sum(sizes))
-        if raw is None:
-            return None
-        slot = self.host_states.slot_for(key, self._spill_state)
-        off = 0
-        for t, n in zip(self.host_states.store, sizes):
-            t[slot].copy_(torch.frombuffer(bytearray(raw[off:off + n]), dtype=t.dtype).view(t.shape[1:]))
-            off += n
-        return slot
+        return slot if slot is not None else self._from_disk(self.host_states, key, b".kvs", self._spill_state)
 
     def load(self, seq: "Sequence") -> int:
         """Just admitted: the pages after its device match that a tier has go into its fresh pages;

@@ -5,11 +5,16 @@ The decode executor stores them in its host tier (Engine.import_pages), where th
 there next, finds them as it finds any evicted prefix (tiers.py)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
+from radixflow.shared.errors import BadRequest
 from radixflow.shared.messages import KVPages
 
-from .tiers import raw_bytes
+from .memory import dtype_bytes
+
+from .tier_stores import raw_bytes
 
 MAX_BYTES = 768 * 1024
 
@@ -34,3 +39,26 @@ def parts(export: tuple, max_bytes: int = MAX_BYTES) -> list[KVPages]:
                            state=state_bytes if first + count == n else b""))
     return out
 
+
+
+def unpack(msg: KVPages, tiers, dtype: torch.dtype, page_size: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """A KVPages message as the receiver's host tier takes it (K and V [count, *page shape], the
+    state's tensors), checked against that tier: a clear error for a sender that disagrees on the
+    model or the layout."""
+    shape = tiers.page_shape()
+    if msg.dtype != str(dtype).replace("torch.", ""):
+        raise BadRequest(f"pages in {msg.dtype}, this pool holds {dtype}")
+    per = 2 * math.prod(shape) * dtype_bytes(dtype)
+    if msg.count <= 0 or len(msg.data) != msg.count * per or len(msg.tokens) < (msg.first + msg.count) * page_size:
+        raise BadRequest(f"{len(msg.data)} bytes and {len(msg.tokens)} tokens do not make {msg.count} pages "
+                         f"of {per} bytes from page {msg.first}")
+    states = tiers.state_tensors()
+    if msg.state and len(msg.state) != sum(math.prod(sh) * dtype_bytes(dt) for sh, dt in states):
+        raise BadRequest("the state does not match this model's")
+    raw = torch.frombuffer(bytearray(msg.data), dtype=dtype).view(msg.count, 2, *shape)
+    state, off = [], 0
+    for sh, dt in states if msg.state else ():
+        n = math.prod(sh) * dtype_bytes(dt)
+        state.append(torch.frombuffer(bytearray(msg.state[off:off + n]), dtype=dt).view(sh))
+        off += n
+    return raw[:, 0], raw[:, 1], state
