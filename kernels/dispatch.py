@@ -25,17 +25,12 @@ import torch
 
 from .bitmask import reference as _bitmask
 from .elementwise import reference as _ew
+from .interpreter import interpreting
 from .linear import reference as _linear
 
-__all__ = ["Kernels", "CHOICES", "cpu_kernels", "interpreting", "pick", "reference", "triton_kernels"]
+__all__ = ["Kernels", "CHOICES", "cpu_kernels", "pick", "reference", "triton_kernels"]
 
 CHOICES = ("auto", "torch", "cpu", "triton")
-
-
-def interpreting() -> bool:
-    """Triton's interpreter (numpy, one program after another) is on: the kernels' launchers pick
-    interpreter-safe settings (fp32 dots, wide programs)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import interpreting
+from ..interpreter import interpreting
 
 __all__ = ["decode_attention", "decode_attention_lse"]
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import interpreting
+from ..interpreter import interpreting
 
 __all__ = ["chunk_gated_delta_rule_slots", "CHUNK"]
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import interpreting
+from ..interpreter import interpreting
 
 from .triton_chunk import CHUNK, chunk_gated_delta_rule_slots
 from .triton_decode import delta_step, qk_normalized

@@ -21,16 +21,15 @@ from radixflow.shared.natsd import NatsServer
 def resolve_model(name: str) -> str:
     """A preset name (created in the cache on first use) or a model directory."""
     if name in PRESETS:
-        from radixflow.services.cli.main import _cache_dir
-        from radixflow.services.modelgen.make import cached_preset
-        return str(cached_preset(name, _cache_dir()))
+        from radixflow.services.modelgen.make import cache_dir, cached_preset
+        return str(cached_preset(name, cache_dir()))
     return name
 
 
 class EngineHost:
-    """The in-process Engine baseline in a process of its own, driven over a pipe: `call(name,
-    *args)` runs `name(engine, *args)` from services/bench/decode.py (or, named "module.fn", from
-    that benchmark module) there and returns its result.
+    """The in-process Engine baseline in a process of its own, driven over a pipe: `call("module.fn",
+    *args)` runs `fn(engine, *args)` of that benchmark module (services/bench/module.py) there and
+    returns its result.
 
     Why not in this process: torch's CPU ops run on an OpenMP thread team per calling thread, and
     a second team (the baseline's, beside the served executor's compute thread) slows the served
@@ -74,7 +73,6 @@ class EngineHost:
 def _host(conn, model: str, cfg: dict) -> None:
     try:
         from radixflow.kernels import cpu_ext
-        from radixflow.services.bench import decode
         from radixflow.services.executor.engine import Engine, EngineConfig
         from radixflow.services.executor.runner import takes_cpu_kernels
         # as the executor does (service._cpu_kernels): the baseline on the kernels the served side
@@ -92,9 +90,9 @@ def _host(conn, model: str, cfg: dict) -> None:
     while (msg := conn.recv()) is not None:
         name, args = msg
         try:
-            # "fn": decode.fn; "module.fn": a function of another benchmark module
+            # by name: the benchmark modules import this one, never the other way round
             mod, _, fn = name.rpartition(".")
-            where = importlib.import_module(f"radixflow.services.bench.{mod}") if mod else decode
+            where = importlib.import_module(f"radixflow.services.bench.{mod}")
             conn.send((True, getattr(where, fn)(engine, *args)))
         except Exception as e:   # noqa: BLE001
             conn.send((False, repr(e)))

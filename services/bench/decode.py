@@ -100,7 +100,7 @@ def run_decode(model: str, batches: list[int], prompt_len: int, new_tokens: int,
     service path, in interleaved rounds (median of each), so a machine that speeds up or slows down
     meanwhile skews neither side."""
     with EngineHost(model, max_running_requests=max(batches)) as host:
-        host.call("engine_decode", 2, prompt_len, 8)     # warm up
+        host.call("decode.engine_decode", 2, prompt_len, 8)     # warm up
 
         async def both():
             loop = asyncio.get_running_loop()
@@ -110,8 +110,8 @@ def run_decode(model: str, batches: list[int], prompt_len: int, new_tokens: int,
                 await served_decode(http, base, 2, prompt_len, 8, stream)
                 for _ in range(rounds):
                     for b in batches:
-                        eng[b].append(await loop.run_in_executor(None, host.call, "engine_decode", b, prompt_len,
-                                                                 new_tokens))
+                        eng[b].append(await loop.run_in_executor(None, host.call, "decode.engine_decode", b,
+                                                                 prompt_len, new_tokens))
                         srv[b].append(await served_decode(http, base, b, prompt_len, new_tokens, stream))
             return eng, srv
         eng, srv = asyncio.run(both())
@@ -147,7 +147,7 @@ def run_latency(model: str, prompt_len: int, repeats: int) -> dict:
             eng, srv = [], []
             async with served(model) as (_, http, base):
                 for i, p in enumerate(prompts):
-                    eng.append(await loop.run_in_executor(None, host.call, "engine_latency", p, f"l{i}"))
+                    eng.append(await loop.run_in_executor(None, host.call, "decode.engine_latency", p, f"l{i}"))
                     with Timer() as t:
                         await generate(http, base, {"input_ids": p, "sampling_params": {"max_new_tokens": 1,
                                                                                         "temperature": 0}})

@@ -19,14 +19,10 @@ import os
 import sys
 
 
-def _cache_dir() -> str:
-    return os.environ.get("RADIXFLOW_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "radixflow"))
-
-
 def default_model() -> str:
     """The tiny-hybrid checkpoint in the cache directory, created on first use."""
-    from radixflow.services.modelgen.make import cached_preset
-    return str(cached_preset("tiny-hybrid", _cache_dir()))
+    from radixflow.services.modelgen.make import cache_dir, cached_preset
+    return str(cached_preset("tiny-hybrid", cache_dir()))
 
 
 def _serving_args(p: argparse.ArgumentParser) -> None:

@@ -9,23 +9,36 @@ A mixin of ModelRunner (runner.py), which owns the model, the pools and the cons
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 
-from . import sampler
-from .constrain import allowed_tokens, allows, single_allowed
-from .forward_batch import ForwardBatch
+from radixflow.kernels.dispatch import Kernels
 
-if TYPE_CHECKING:
-    from .runner import ModelRunner as _Base
-else:
-    _Base = object
+from . import sampler
+from .constrain import Constrainer, allowed_tokens, allows, single_allowed
+from .forward_batch import ForwardBatch
+from .memory import KVPool, StatePool
+from .models import CausalLM, ModelSpec
 
 MAX_ALLOWED = 1024       # a draft row allowing more tokens than this gets the full head (_sample_allowed)
 
 
-class DraftVerify(_Base):
+class DraftVerify:
+    """Its contract with the host (ModelRunner): the attributes and methods annotated here."""
+    model: CausalLM
+    spec: ModelSpec
+    kernels: Kernels
+    kv: KVPool
+    state: StatePool | None
+    constrainer: Constrainer
+    last: ForwardBatch | None
+    drafted: int
+    kept: int
+    certain: int
+    unsure: list[int]
+    _keep_logprobs: Callable[..., None]      # (seq, logprob, top)
+
     def head_share(self) -> float:
         """The LM head's share of a row's multiply-adds (every weight but the embedding's)."""
         m = self.model

