@@ -105,8 +105,7 @@ def _load():
     # tasks one after another (the kernels used one core of two). The library it links resolves to
     # the libgomp that torch has loaded (one thread pool, torch's thread count).
     # GCC's tuning for AVX-512 CPUs prefers 256-bit vectors; the rule's 64-float state rows fit four
-    # 512-bit registers, and asking for them made a 3,100-token prefill 1.15x faster (a harmless
-    # hint where the CPU has no AVX-512)
+    # 512-bit registers, which makes prefill faster (a harmless hint where the CPU has no AVX-512)
     flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
     # the bindings release the GIL while a kernel runs (load_inline's own `functions=` keep it): a
     # 3,100-token DeltaNet prefill holds no Python object, and under `radixflow up` the event loop

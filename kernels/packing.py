@@ -18,7 +18,7 @@ def similar(lens: list[int]) -> bool:
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """x[idx] (idx of any shape) by index_select: on a CPU several times faster than advanced
-    indexing (a [40, 114] table of a bf16 KV pool: 36 vs 250 us; fp32 127 vs 381)."""
+    indexing."""
     return x.index_select(0, idx.reshape(-1)).view(*idx.shape, *x.shape[1:])
 
 

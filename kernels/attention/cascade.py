@@ -65,7 +65,7 @@ def _attend_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     S, Hkv, _ = k.shape
     G = Hq // Hkv
     # fold the query heads of one kv head into the query axis: the op then needs no GQA support.
-    # In the serving dtype: the op accumulates in fp32 whatever its inputs (bf16 runs ~2x faster)
+    # In the serving dtype: the op accumulates in fp32 whatever its inputs, and bf16 runs faster
     dt = q.dtype
     qf = q.reshape(T, Hkv, G, D).permute(1, 2, 0, 3).reshape(1, Hkv, G * T, D)
     mask = None
@@ -146,8 +146,7 @@ def cascade_prefill(q, k_cache, v_cache, bounds: list[tuple[int, int]], seq_slot
         q_off = [prefix_lens[i] - starts[i] for i in grouped]
         rows = torch.cat([torch.arange(*bounds[i], device=dev) for i in grouped])
         E, L = max(len(x) for x in own_q), max(len(x) for x in own_k)
-        # (one sequence at a time, even by the kernel in place, was no faster: 81-85 against 78-80 ms
-        # for 39 x 100 tokens in fp32, in bf16 46 against 52)
+        # (one sequence at a time, even by the kernel in place, was no faster)
         if len(grouped) * E * L <= PADDED_LIMIT:
             o, lse = _attend_padded(own_q, own_k, q_off, k_cache, v_cache, scale)
             flat = torch.cat([torch.arange(len(x), device=dev) + j * E for j, x in enumerate(own_q)])
@@ -184,8 +183,8 @@ def _padded(q, k, v, visible, scale: float) -> tuple[torch.Tensor, torch.Tensor]
     """q [N, E, Hq, D] over k/v [N, L, Hkv, D] where visible [N, E, L]; every query sees a key.
     Returns o [N, E, Hq, D] fp32 and lse [N, E, Hq]. On a CPU by the flash-attention op (one batch
     entry per sequence, the query heads of a kv head folded into its query rows, in the serving
-    dtype): at 40 sequences x 126 keys it is tens of times faster than the einsums, which every
-    layer of a shared-prefix batch's decode steps and prefills pays."""
+    dtype): far faster than the einsums, and every layer of a shared-prefix batch's decode steps and
+    prefills pays it."""
     return (_padded_flash if q.device.type == "cpu" else _padded_ref)(q, k, v, visible, scale)
 
 

@@ -59,8 +59,7 @@ def attend_lse(q, k, v, scale: float, q_pos: torch.Tensor | None = None) -> tupl
 def attend_at(q, k_cache, v_cache, slots: torch.Tensor, scale: float,
               q_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cascade.attend_at: the keys read by the kernel where they lie in the pool, not gathered first
-    (in an agent's 40-row decode step the gather of its 3,000-token prefix, not contiguous in the
-    pool, was ~2 of 14.7 ms)."""
+    (a prefix not contiguous in the pool would otherwise be copied at every decode step)."""
     ext = _attend_ext(q, k_cache)
     if ext is None or v_cache.dtype != q.dtype or len(slots) == 0 or slots.device.type != "cpu":
         return cascade.attend_at(q, k_cache, v_cache, slots, scale, q_pos, attend=attend_lse)
@@ -98,9 +97,9 @@ def extend_attention(q, k_cache, v_cache, bounds, seq_slots, prefix_lens, scale:
 def attend_group(q, k_cache, v_cache, g: cascade.SharedPrefix, bounds, seq_slots, prefix_lens, scale: float,
                  out: torch.Tensor) -> None:
     """cascade_prefill's `attend_group` by the fp32 kernel (attend_cascade): a group's rows over its
-    shared prefix and then each member's own keys in one online softmax, written into out's rows.
-    The composition it replaces (shared part, own parts padded through torch's op, merge, the copies
-    between) was 13 of 84 ms a layer for 39 siblings of 100 tokens over a 3,000-token prefix."""
+    shared prefix and then each member's own keys in one online softmax, written into out's rows:
+    one pass instead of the composition (shared part, own parts padded through torch's op, merge,
+    the copies between)."""
     S = len(g.slots)
     own = [seq_slots[i][S:].to(torch.int64) for i in g.seqs]
     own_off = torch.zeros(len(own) + 1, dtype=torch.int64)
@@ -121,9 +120,8 @@ def cascade_prefill(q, k_cache, v_cache, bounds, seq_slots, prefix_lens, groups,
 
 
 # A group of this many rows or fewer has its shared prefix read in place by the decode kernel, row
-# by row: attend_lse packs the prefix's K and V first, which for one row over 3,100 keys cost 4x
-# what reading them did (0.49 vs 0.13 ms a layer in bf16; even at 4 rows, 0.53 vs 0.40; at 8, 0.56
-# vs 0.89). A group of one is what a lone long sequence decodes as (runner.shared_prefixes).
+# by row: attend_lse packs the prefix's K and V first, which for a few rows costs more than reading
+# them. A group of one is what a lone long sequence decodes as (runner.shared_prefixes).
 FEW_ROWS = 4
 
 

@@ -1,8 +1,8 @@
 // Decode attention on the CPU: one query token per sequence over the K/V slots its row of a table
 // names, read where they lie in the pool (no gather), in fp32 whatever the pool's dtype.
 // The torch forms gather each row's slots into a padded batch (index_select per layer and step),
-// build a mask, and run one flash-attention call per batch entry: at a decode step of 40 sequences
-// with ~115 own tokens each that was ~1 ms per layer for ~5 MFLOP, most of a tiny model's step.
+// build a mask, and run one flash-attention call per batch entry: most of a tiny model's decode step
+// for a few MFLOP of work.
 //
 // q: [N, Hq, D] contiguous (fp32 or bf16, the pool's dtype);  k_cache, v_cache: [S, Hkv, D] contiguous
 // table: [N, L] int64, row n's first lens[n] entries are its slots in order (the rest never read)
@@ -34,9 +34,8 @@ inline __m512 load16<BF16>(const uint16_t* p) {
 
 // The rows a task reads lie at its slots, scattered over pages (a page's slots hold every kv head's
 // rows, so one head's rows are not even contiguous within it): the hardware prefetchers do not
-// follow them, and each row waited on the cache or memory in turn (40 rows x 110 own keys: 0.24 ms
-// with the pool in L3, 0.68 ms from memory, for ~10 us of arithmetic). The row PREFETCH keys ahead
-// is asked for early.
+// follow them, and each row waited on the cache or memory in turn, far longer than its arithmetic.
+// The row PREFETCH keys ahead is asked for early.
 constexpr int64_t PREFETCH = 8;
 
 template <typename S>
@@ -47,10 +46,10 @@ static inline void prefetch_row(const S* p, int64_t D) {
 
 // the scores and the weighted sum of one (sequence, kv head) with 16-lane vectors over the head
 // dim (D a multiple of 16, at most 256): a K or V row is loaded and converted once for the G query
-// heads that read it; the generic loops below left each score to a scalar reduction (5x slower)
+// heads that read it; the generic loops below leave each score to a scalar reduction
 // CC: D / 16 fixed at compile time (0: read from D): at the model's head sizes the row stays in
-// registers and the loops over it unroll; with C read at run time the row went through the stack
-// and the loops' bounds were compared per vector (~2x the time)
+// registers and the loops over it unroll; with C read at run time the row goes through the stack
+// and the loops' bounds are compared per vector
 template <typename IO, int CC = 0>
 static void rows_avx512(const float* qf, const typename IO::S* kp, const int64_t* slots, int64_t len, int64_t Hkv,
                         int64_t h, int64_t G, int64_t D, float* s) {

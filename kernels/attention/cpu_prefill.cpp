@@ -1,17 +1,15 @@
 // Prefill attention on the CPU in bf16 with AVX512-BF16 (vdpbf16ps): many query rows over one K/V
 // (a group's shared prefix, or one sequence causally). cascade.attend_lse's kernel form.
 //
-// Why: torch's CPU flash-attention op was 71% of a dense agent-workload step on a CPU without AMX
-// (3.7 core-ns per query-key score at head size 64; its bf16 GEMMs are oneDNN calls on 64-wide
-// blocks, and its softmax a pass of its own). Here the two products run as register-blocked
+// Why: torch's CPU flash-attention op was most of a dense agent-workload step on a CPU without AMX
+// (its bf16 GEMMs are oneDNN calls on 64-wide blocks, and its softmax a pass of its own). Here the two products run as register-blocked
 // vdpbf16ps micro-kernels over K and V packed once per call, and the online softmax stays in L1
 // between them.
 //
 // q: [T, Hq, D] bf16 (any strides but the last);  k, v: [S, Hkv, D] bf16 (the same)
 // q_pos: [T] int64 (key j visible to query t iff j <= q_pos[t]) or empty (every key visible)
 // slots: [S] int64: key j is row slots[j] of k and v (a shared prefix read where it lies in the pool,
-// not gathered: a decode step's gather of a 3,000-token prefix was 15% of the step), or empty: key j
-// is row j
+// not gathered: a gather would copy the whole prefix at every decode step), or empty: key j is row j
 // o: [T, Hq, D] fp32 contiguous, written;  lse: [T, Hq] fp32 contiguous, written: the natural log of
 // the softmax's denominator (cascade's merge), -inf with o = 0 for a row that sees no key.
 // Numerics as torch's op on bf16 inputs: q.k accumulated in fp32, the exponentials summed in fp32
@@ -54,10 +52,10 @@ static inline __m512 exp2_16(__m512 t) {
 
 
 // Scratch of n words for one call's packed K or V, kept by the calling thread and only grown, up to
-// 32 MB (a larger one is the call's own: its page faults are small beside its work). A fresh 1.5 MB
-// buffer per call went back to the system when freed (glibc trims the heap's top past twice the
-// mmap threshold) and was faulted in anew each time: ~1 ms per call, 15x what one decode row over
-// a 3,000-token prefix computes. `Which` tells a call's buffers apart.
+// 32 MB (a larger one is the call's own: its page faults are small beside its work). A fresh buffer
+// per call goes back to the system when freed (glibc trims the heap's top past twice the mmap
+// threshold) and is faulted in anew each time, at a cost well beyond a decode row's work. `Which`
+// tells a call's buffers apart.
 template <int Which>
 class Scratch {
  public:
@@ -115,7 +113,7 @@ static inline void transpose16(__m512i r[16]) {
 // side: out[(b * W + w) * 64 + j] = word w of key 64b + j's row (W words a row; key j's row is
 // row_of(slots, j)); keys past S are zero.
 // By 16 x 16 register transposes: a decode step's shared prefix is packed anew for its few query
-// rows, and the scalar form took as long as the products (0.3 ms of 0.8 for 40 rows over 3,100 keys)
+// rows, and the scalar form took as long as the products
 static void pack_k(const char* k, int64_t row_bytes, const int64_t* slots, int64_t S, int64_t Sp, int64_t W,
                    uint32_t* out) {
   __m512i r[16];
@@ -347,11 +345,10 @@ namespace rf_attn32 {
 // rows are the micro-kernel's vectors as they lie; rows at slots copied together first), and 6-row
 // micro-tiles, the linear kernel's shape
 // (24 accumulators, 4 vectors of K or V, 1 broadcast: 29 of 32 registers). torch's flash-attention op
-// ran the agent workload's prefill attention at ~110 GFLOP/s against the ~210 the FMA peaks at.
+// ran the agent workload's prefill attention at about half the FMA peak.
 // Numerics: q.k and P.V accumulated in fp32 in key order, the exponentials by exp2_16 (relative
 // error below 3e-6) on the scores scaled into base 2: 9 instructions where exp_fast16 (2 ulp) took
-// 17; the softmax is what the kernel spends beside its FMAs (39 siblings x 108 tokens over 2,992
-// keys 80.9 -> 78.9 ms, 3,100 tokens causal 30.2 -> 29.3, medians alternated in one process).
+// 17; the softmax is what the kernel spends beside its FMAs.
 using rf_attn::exp2_16;
 using rf_attn::kKeyBlock;
 using rf_attn::kLog2e;
@@ -532,8 +529,8 @@ struct TaskBuf {
 };
 
 // K of kv head h at `slots` (or rows 0..S-1) packed into kp, and, where there are slots, its V rows
-// copied together into vg as [S, D] (read in place by every task, scattered rows made a 39 x
-// 100-row prefill over a 2,992-key prefix 1.1x slower than a gather first)
+// copied together into vg as [S, D] (read in place by every task: scattered rows were slower than a
+// gather first)
 static void pack_k(const at::Tensor& k, int64_t h, const int64_t* slots, int64_t S, int64_t Sp, float* kp) {
   rf_attn::pack_k(reinterpret_cast<const char*>(k.data_ptr<float>() + h * k.stride(1)), 4 * k.stride(0), slots, S, Sp,
                   k.size(2), reinterpret_cast<uint32_t*>(kp));
@@ -588,11 +585,9 @@ static void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 // see the shared prefix's S keys at `shared`, then its own keys own[own_off[n]:own_off[n+1]] up to
 // own position q_off[n] + t for its token t, one online softmax over both runs. Tasks take QB rows
 // of the group in order across sequences: the shared run for all of them, then each sequence's own
-// run for its rows. The composition it replaces (the shared part over all rows, the own parts
-// apart, a merge by their LSE, and the copies between) cost 13 of 84 ms a layer at 39 sequences of
-// 100 tokens over 3,000 shared keys. (Not for decode: a decode row's ~110 own keys, packed here for
-// one use, cost more than cpu_decode.cpp reading them in place: 39 rows over a 2,992-key prefix
-// took 1.9 ms a layer this way against 1.6 composed, median of 15.)
+// run for its rows: one pass instead of the composition (the shared part over all rows, the own
+// parts apart, a merge by their LSE, and the copies between). (Not for decode: a decode row's own
+// keys, packed here for one use, cost more than cpu_decode.cpp reading them in place.)
 static void cascade(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* shared, int64_t S,
                     const int64_t* bounds, const int64_t* own, const int64_t* own_off, const int64_t* q_off, int64_t N,
                     double scale, at::Tensor& o, at::Tensor& lse) {

@@ -139,7 +139,7 @@ static void conv_prefill_impl(const at::Tensor& x, at::Tensor& y, at::Tensor& po
 // The same for Qwen3.5's width (4) and whole blocks of 16 channels, in AVX-512 registers: the
 // window is three vectors and a token costs one load, four FMAs, the SiLU and one store. The loop
 // above keeps its window in a local array with runtime bounds, which GCC neither keeps in registers
-// nor vectorizes well: 1.4 ms for a 3,100-token prefill of 512 channels (bf16), ~5x this.
+// nor vectorizes well: several times this.
 static inline __m512 conv_ld16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 conv_ld16(const uint16_t* p) { return load_bf16x16(p); }
 static inline void conv_st16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
@@ -177,7 +177,7 @@ static inline void weights_from(const float* w, __m512i wlanes, __m512 out[4]) {
 
 // A task is G blocks of 16 channels side by side (64 channels: a row's 256 bytes, whole cache lines,
 // where x is the in-projection's split and its rows are not line-aligned; one block a task read
-// half-lines twice, 1.4x slower than copying x first).
+// half-lines twice, slower than copying x first).
 template <typename IO, bool silu, int G>
 static void conv4_prefill16(const at::Tensor& x, at::Tensor& y, at::Tensor& pool, const at::Tensor& weight,
                             const at::Tensor& starts, const at::Tensor& ends, const at::Tensor& slots,
@@ -220,8 +220,7 @@ static void conv4_prefill16(const at::Tensor& x, at::Tensor& y, at::Tensor& pool
 
 // The decode update (and a jump-forward step's depths) in the same registers: a sequence's window
 // is gathered from its slot once, every depth of it runs on the three vectors, and it is scattered
-// back once. The loop above, a scalar exp per channel among them, took ~0.2 ms a layer of a
-// 40-row step of Qwen3.5's 512 channels, several times this.
+// back once. The loop above, a scalar exp per channel among them, took several times this.
 template <bool silu>
 static void conv4_update16(const at::Tensor& x, at::Tensor& pool, const at::Tensor& weight, const at::Tensor& slots,
                            const at::Tensor& offsets, const at::Tensor& lens, at::Tensor& y, at::Tensor& saved,

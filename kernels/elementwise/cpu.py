@@ -11,7 +11,7 @@ from . import reference
 _DTYPES = (torch.float32, torch.bfloat16)
 # These wrappers run a dozen times a layer in a decode step, where the kernels take well under a
 # microsecond: the checks are written out (no generator, `is_cpu` rather than a device object) and the
-# outputs made by empty_like. A one-row decode step of tiny-dense spent ~0.2 of its 1.5 ms in them.
+# outputs made by empty_like.
 _CONTIGUOUS = torch.contiguous_format
 
 
@@ -46,7 +46,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def _norm_weight(weight: torch.Tensor, zero_centered: bool) -> torch.Tensor:
     """The fp32 factor the kernel scales by (1 + weight where zero-centered), kept on the weight
-    (cpu_ext.kept_on): making it cost ~20 us a call, and a step runs two to four norms a layer."""
+    (cpu_ext.kept_on): making it is a copy per call, and a step runs two to four norms a layer."""
     return cpu_ext.kept_on(weight, "_rf_norm", zero_centered,
                            lambda: (1.0 + weight.float() if zero_centered else weight.float()).contiguous())
 

@@ -27,7 +27,7 @@
 // applied to the sum), the second writes it once and reads the output off the new rows.
 // At the model's head sizes (template) the [V] accumulators are fixed-size local arrays that the
 // compiler keeps in vector registers (V = 64: four AVX-512 registers each); in memory, as in the
-// generic form below, every row of S also loaded and stored them, which cost 3-5x.
+// generic form below, every row of S also loads and stores them.
 template <int K, int V>
 static inline void delta_step_fixed(float* __restrict__ S, const float* __restrict__ qr, const float* __restrict__ kr,
                                     const float* __restrict__ vr, float decay, float b, float* __restrict__ out) {
@@ -88,8 +88,7 @@ static inline void delta_step(float* __restrict__ S, const float* __restrict__ q
 // conv output split per head); value head h reads qk head h / (H / Hk); q and k are L2-normalized
 // here (when `l2norm`, eps inside the sqrt as in naive.l2norm) and q scaled by `scale`, in fp32.
 // g, beta: [T, H] fp32 contiguous; o: [T, H, V] in the model's dtype, contiguous, rounded once.
-// Preparing fp32, normalized, head-expanded copies in torch first cost ~0.9 ms a layer at 2,000
-// tokens, half the kernel's own time.
+// (Preparing fp32, normalized, head-expanded copies in torch first cost half the kernel's own time.)
 
 // One token's q or k head into fp32 at dst, times `mul` and (l2norm) over its L2 norm. Fixed
 // sizes for the model's head sizes: the loops vectorize (the bf16 loads are bit shifts).

@@ -32,9 +32,7 @@ def _ext(x: torch.Tensor, weight: torch.Tensor):
 
 
 # bf16 products over K past this, for more rows than BF16_LONG_K_ROWS, go to oneDNN: the kernel does not
-# block K, and a weight block of K x 64 past L2 made 1,024 x 12,288 x 1,024 run at 270 GFLOP/s against
-# oneDNN's 402 (at 8,192 the kernel still led, 388 against 365; at 40 rows x 12,288, 339 against 241).
-# fp32 streamed well at every K tried (207-211 GFLOP/s up to 12,288, MKL 123-148).
+# block K, and a weight block of K x 64 past L2 falls behind oneDNN there. fp32 streams well at every K.
 BF16_LONG_K = 8192
 BF16_LONG_K_ROWS = 256
 

@@ -4,21 +4,19 @@
 // reference.py's kernel form. Both dtypes share the micro-kernel's shape and the task split.
 //
 // fp32's gate/up form (the packed layout's lanes as bf16's below) runs silu_mul_impl<F32>'s arithmetic
-// on the accumulators: the [T, 2I] product is never written and read back (2.3 of 16.4 ms on 3,100
-// rows of tiny-dense's MLP).
+// on the accumulators: the [T, 2I] product is never written and read back.
 //
-// fp32: MKL ran the model's fp32 products at 55-70% of the FMA peak on an AMD EPYC (Zen 4) and a
-// one-row decode product at 7 GB/s of weights, where the memory gives 25; the kernel is 1.3-1.7x
-// faster on 2,048-row products and 2-3.8x on decode's (measured there only: on Intel CPUs MKL may
-// do better). Packed layout: float [ceil(N / 64), K, 64], block b, row k, lane j = W[64 b + j, k].
+// fp32: MKL ran the model's fp32 products well below the FMA peak on an AMD EPYC (Zen 4), and a
+// one-row decode product well below the memory's bandwidth; the kernel beats it on both there (on
+// Intel CPUs MKL may do better). Packed layout: float [ceil(N / 64), K, 64], block b, row k, lane j =
+// W[64 b + j, k].
 //
-// bf16: oneDNN, torch's bf16 matmul on such a CPU (an AMD EPYC, Zen 4), ran a 40-row decode step's
-// products at 160-210 GFLOP/s against the 400-410 that vdpbf16ps peaks at there (it splits thin
-// products coarsely and packs the weights again on every call); a register-blocked micro-kernel
-// (6 rows x 64 columns: 24 accumulators, four weight vectors and a broadcast row pair) over weights
-// in their packed layout runs them at 330-380, so a 40-row decode step of tiny-dense took 8.5 ms
-// instead of 9.8. On prefill-sized products (2,048 rows) both run at 290-380 GFLOP/s, 85-90% of
-// the peak; there the gain is the gate/up form, which writes half the bytes and needs no SiLU pass.
+// bf16: oneDNN, torch's bf16 matmul on such a CPU (an AMD EPYC, Zen 4), ran a decode step's thin
+// products at about half the vdpbf16ps peak (it splits thin products coarsely and packs the weights
+// again on every call); a register-blocked micro-kernel (6 rows x 64 columns: 24 accumulators, four
+// weight vectors and a broadcast row pair) over weights in their packed layout runs them near the
+// peak. On prefill-sized products both are near the peak; there the gain is the gate/up form, which
+// writes half the bytes and needs no SiLU pass.
 // Where the CPU has AMX, oneDNN's tile kernels are several times faster than any vdpbf16ps code,
 // and `linear_takes_bf16` says no.
 //
@@ -224,8 +222,8 @@ static void linear(const at::Tensor& x, const at::Tensor& wp, int64_t n_out, at:
 #endif  // __AVX512F__
 
 // vdpbf16ps code pays where the CPU has AVX512-BF16 and no AMX (cpuid leaf 7: EDX bit 22, AMX-BF16).
-// Asked once: in a virtual machine cpuid traps to the hypervisor (15 us a call, measured), and the
-// wrapper asks on every layer's call
+// Asked once: in a virtual machine cpuid traps to the hypervisor, and the wrapper asks on every
+// layer's call
 bool linear_takes_bf16() {
 #if defined(RF_BF16_VECTOR) && defined(__x86_64__)
   static const bool takes = [] {
@@ -238,8 +236,8 @@ bool linear_takes_bf16() {
 #endif
 }
 
-// fp32 by FMA where the CPU has AVX-512: MKL's fp32 products of the model's shapes ran at 55-70% of
-// the FMA peak, a one-row decode product at 7 GB/s of weights (the memory gives 25)
+// fp32 by FMA where the CPU has AVX-512: MKL's fp32 products of the model's shapes ran well below the
+// FMA peak, and a one-row decode product well below the memory's bandwidth
 bool linear_takes_fp32() {
 #if defined(__AVX512F__)
   return true;

@@ -33,10 +33,8 @@ class EngineHost:
 
     Why not in this process: torch's CPU ops run on an OpenMP thread team per calling thread, and
     a second team (the baseline's, beside the served executor's compute thread) slows the served
-    side: measured on 2 cores, a 1-token request's step took 28-32 ms instead of 11-14 ms once the
-    bench process had run the Engine in its main thread. Here neither side's threads exist in
-    the other's process, and the two still run in alternation, so their ratio is measured in one
-    run."""
+    side. Here neither side's threads exist in the other's process, and the two still run in
+    alternation, so their ratio is measured in one run."""
 
     def __init__(self, model: str, **cfg):
         import multiprocessing as mp
@@ -172,8 +170,8 @@ async def generate(http: aiohttp.ClientSession, base: str, body: dict | bytes) -
 
 
 def encoded(bodies: list[dict]) -> list[bytes]:
-    """Request bodies as JSON, encoded before a timed burst: the client's own encoding (about 0.1 ms
-    per 3,100-token prompt) is not the server's work, and in a served benchmark whose stack shares
+    """Request bodies as JSON, encoded before a timed burst: the client's own encoding is not the
+    server's work, and in a served benchmark whose stack shares
     the client's process it would otherwise delay the server by the whole burst's encoding (every
     side of a comparison gets its bodies the same way)."""
     return [json.dumps(b).encode() for b in bodies]

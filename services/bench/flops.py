@@ -59,8 +59,8 @@ def request_flops(spec: ModelSpec, prompt_tokens: int, cached_tokens: int, outpu
 def gemm_peak(spec: ModelSpec, rows: int = 1024, repeats: int = 40, dtype: str = "float32") -> float:
     """Best FLOP/s of matmuls in the serving dtype at the model's projection shapes, [rows, in] x
     [in, out], measured here: torch's and, where they take the dtype, the CPU linear kernels' the
-    engine runs (kernels/linear; on an AMD CPU MKL's fp32 reached 145-197 GFLOP/s where the kernel
-    reaches ~190, and a floor from the slower one would flatter the wall over it). Run it in a
+    engine runs (kernels/linear; MKL's fp32 can trail the kernel, and a floor from the slower one
+    would flatter the wall over it). Run it in a
     process of its own when the caller also serves (bench/common.EngineHost says why)."""
     import torch
     dtype = getattr(torch, dtype)

@@ -1,11 +1,10 @@
 """A peer server on this machine, paused while radixflow's side of a comparison runs.
 
 Side-by-side benchmarks run one side after the other on one machine. radixflow's stack is down while
-the peer is measured, but the peer stays up while radixflow is: an idle vLLM-CPU wakes about 1,300
-times a second (its engine's polling threads), and on 2 cores each wakeup preempts one of the
-compute threads, whose parallel regions then wait for it. Measured on the agent workload (tiny-hybrid,
-bf16, served): 0.39 s with the peer idle beside it, 0.34 s with the peer stopped. So that each side
-has the machine to itself, the peer's processes (the one listening on the URL's port and all its
+the peer is measured, but the peer stays up while radixflow is: an idle vLLM-CPU wakes over a
+thousand times a second (its engine's polling threads), and on a few cores each wakeup preempts one
+of the compute threads, whose parallel regions then wait for it. So that each side has the machine
+to itself, the peer's processes (the one listening on the URL's port and all its
 descendants) get SIGSTOP for the duration and SIGCONT after. A peer elsewhere (or one whose
 processes this user may not signal) is left alone, and the result says so.
 """

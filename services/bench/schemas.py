@@ -54,7 +54,7 @@ class SchemasBenchConfig:
     probe_concurrency: int = 1        # schemas compiling at once (phase 1): 1 times each compile alone
     seed: int = 0
     # per HTTP request: a sample that ends at max_tokens on a 248k vocabulary waits its turn among
-    # `concurrency` others (300 s timed 30 of 406 out at concurrency 32 with Qwen3.5's tokenizer)
+    # `concurrency` others (a 300 s limit timed some out at concurrency 32 with Qwen3.5's tokenizer)
     timeout_s: float = 1800.0
     limit: int = 0                    # 0: every schema in DIR; else N spread over the sorted names
 

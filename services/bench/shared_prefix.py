@@ -37,8 +37,8 @@ def shaped(pre: list[int], sufs: list[list[int]]) -> list[list[int]]:
     """Prompts of the workload's shapes (a shared preamble as long as `pre`, suffixes as long as
     `sufs`) in token ids of their own (below the workload's range, 300+), for one untimed run before
     the timed ones, on every side: the first time a CPU server meets a batch shape it builds kernels
-    for it (oneDNN's matmul primitives, a compiled graph's variant); on the agent workload that made
-    the first timed run 0.2-0.3 s slower than the next ones, a cost of startup, not of serving."""
+    for it (oneDNN's matmul primitives, a compiled graph's variant), which would slow the first timed
+    run: a cost of startup, not of serving."""
     rng = random.Random(len(pre))
     own = [rng.randint(5, 299) for _ in range(len(pre))]
     return [own + [rng.randint(5, 299) for _ in s] for s in sufs]
@@ -57,7 +57,7 @@ async def _side(model: str, runs: list, out_tokens: int, cache: bool, first_alon
         radix = stack.actors["radix"]
         # warm up, identically on every side, with tokens outside the workload: first-call
         # allocations, and a burst as wide as the workload's, so that the client's connections are
-        # open (a first burst that opens 40 connections arrives spread over ~100 ms and is admitted
+        # open (a first burst that opens its connections arrives spread out and is admitted
         # piecemeal, which on a hybrid model makes a late sibling recompute the preamble)
         await warm_up(lambda ids: generate(http, base, {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}),
                       len(runs[0][1]))
@@ -215,9 +215,9 @@ def run_shared_prefix(model: str, preamble: int, suffix: int, n: int, out_tokens
                       against: str | None = None, dtype: str = "auto", repeats: int = 3,
                       pause_peer: bool = True, engine: bool = False) -> dict:
     """Each side runs the workload `repeats` times, each time with other token ids (a cold cache:
-    preamble computed once per run), and reports the median wall time: on a loaded 2-core machine
-    one run's wall time moves by 10-40% (another process's wakeups, such as an idle peer server's
-    polling threads, slow the service path)."""
+    preamble computed once per run), and reports the median wall time: on a loaded machine one
+    run's wall time moves a lot (another process's wakeups, such as an idle peer server's polling
+    threads, slow the service path)."""
     import json
     import os
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
@@ -225,10 +225,9 @@ def run_shared_prefix(model: str, preamble: int, suffix: int, n: int, out_tokens
     # a peer on this machine is paused meanwhile, so that each side has the machine to itself (peer.py)
     with paused(against, pause_peer) as stopped:
         # the compute floor: the FLOPs of what a side computed, at the GEMM peak of the dtype it served
-        # in (bf16 matmuls run ~4x faster where the CPU has AMX, and so the floor is lower), measured
-        # right after each side: a shared 2-core machine's speed moves within minutes (a peak of 112
-        # against the usual 200-225 GFLOP/s in one run), and a side's floor is set by the speed the
-        # machine had while that side ran, not by one measurement minutes from it
+        # in (bf16 matmuls run much faster where the CPU has AMX, and so the floor is lower), measured
+        # right after each side: a shared machine's speed moves within minutes, and a side's floor is
+        # set by the speed the machine had while that side ran, not by one measurement minutes from it
         on = asyncio.run(_side(model, runs, out_tokens, True, first_alone, dtype))
         on["gemm_peak_gflops"] = round(measure_peak(model, on["dtype"]) / 1e9, 1)
         off = asyncio.run(_side(model, runs, out_tokens, False, first_alone, dtype))

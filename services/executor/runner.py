@@ -86,8 +86,8 @@ def shared_prefixes(tables: list[list[int]], limits: list[int], page_size: int,
         first = tables[members[0]]
         head = first[:n]
         for i in members[1:]:
-            # slices compare in C: a whole shared prefix at once (40 tables of 190 pages at every
-            # decode step were 0.5 ms of Python), and a bisection where a table parts earlier
+            # slices compare in C (this runs at every decode step): a whole shared prefix at once,
+            # and a bisection where a table parts earlier
             t = tables[i]
             if t[:n] != head:
                 lo, hi = 0, n             # t and first share their first lo pages, not their first hi
@@ -293,8 +293,7 @@ class ModelRunner(DraftVerify):
         # groups are found among sequences, as without drafts, then take in all rows of their members.
         # No groups of one where the CPU decode kernel reads every row's slots in place: a lone
         # sequence is then one call over its whole context, not two (own part, prefix) and a merge
-        # (a 1-row step over a 3,100-token prompt: 2.9 -> 2.6 ms, tiny-dense; a cache-off batch of
-        # 39 lone rows was 39 calls and merges a layer)
+        # (a cache-off batch of 39 lone rows would be 39 calls and merges a layer)
         singles = not (self.kernels.name == "cpu" and cpu_ext.get() is not None)
         # a sliding window cuts into a shared prefix differently for every row: no cascade groups
         groups = [] if self.spec.layer_windows else shared_prefixes(

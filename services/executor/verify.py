@@ -163,8 +163,7 @@ class DraftVerify:
             # under forced_spelling "tokenizer", where the forced text's spelling has more than one
             # token the mask keeps only its next one (Constrainer.fill): a draft token the spelling
             # at its position starts with is certain without a mask (the drafter checked it is
-            # legal). Only the others' masks are filled (two fills a step with drafts were ~4% of a
-            # step at the 8k test vocabulary)
+            # legal). Only the others' masks are filled (a mask fill is a visible share of a step)
             spelled = set()
             if speller is not None:
                 spelled = {id(s) for s in live if speller.forced(s.draft[d - 1] if d else s.tokens[-1], s.matcher) == s.draft[d]}

@@ -44,15 +44,10 @@ class Admission:
 
     # hybrid: checkpoints this far back from the end of a long fresh prompt (see _plan), for a prompt
     # with more than LADDER_MIN tokens to compute. An agent's siblings part a few tokens past their
-    # shared preamble (3,000 tokens, then each one's 100). With rungs at 64 and 128 only, the late
-    # fan-out's first sibling computed from the 128 rung to its end alone in a step (141 tokens,
-    # creating the state where they part) while the rest waited for it: ~20 ms of a served fan-out
-    # of 40, whether the siblings came after the first request or with it (they travel past its
-    # admission, so no parting point is planned for them). A rung every 16 tokens of the last 128
-    # now (every page at the default page size; rungs fall to page boundaries, so larger pages get
-    # one a page): a fan-out whose own parts are that short resumes where it parts, all of it in one
-    # step. The cost: up to 12 state copies during such a prompt's prefill instead of 6, in slots
-    # taken only while they are plentiful (_grant)
+    # shared preamble, often past the first one's admission (no parting point planned for them): a
+    # rung every 16 tokens of the last 128 (every page at the default page size; rungs fall to page
+    # boundaries) lets such a fan-out resume where it parts, in one step. The cost, a few more state
+    # copies during the prompt's prefill, is paid only while slots are plentiful (_grant)
     LADDER = tuple(range(16, 129, 16)) + (256, 512, 1024, 2048)
     LADDER_MIN = 512
 
@@ -65,9 +60,9 @@ class Admission:
         With `ladder`, also LADDER tokens back from the end. A sibling of an agent's fan-out that
         reaches radix after the first one was granted (its burst split on the way) parts from it
         where no state was planned, and without a state it resumes from the start: a second
-        prefill of the whole preamble (+170 ms at 3,000 tokens on the test model, measured). Fan-outs
-        part near the end of the prompt (a shared preamble, then each one's task), so a few states
-        back from the end bound what such a sibling recomputes to about twice its own part."""
+        prefill of the whole preamble. Fan-outs part near the end of the prompt (a shared preamble,
+        then each one's task), so a few states back from the end bound what such a sibling
+        recomputes to about twice its own part."""
         if not self.cache:
             return []
         end = len(tokens) // self.page_size * self.page_size
@@ -95,8 +90,7 @@ class Admission:
                                   or m.state_node is not None and m.state_node.state is None):
                 # an earlier grant of this admission evicted cached pages to get its own: this
                 # match may name some of them (freed, and maybe granted already), or the state
-                # it would resume from: match again. (An agent's burst on a hybrid model short of
-                # state slots evicts a few; matching all the rest again cost 2.7 ms a burst.)
+                # it would resume from: match again (only then: rematching a whole burst is not free)
                 m, cached = self._match(c)
             reason = None
             nxt = self._next_page(c, cached) if self.cache else None

@@ -76,7 +76,7 @@ class RadixTree:
         # (last_access, id, node) with an entry for every unlocked leaf, maybe older than its last
         # access (a match touched it since) or for a node no longer an unlocked leaf: evict takes an
         # entry only when it is current, and re-files a stale one. A full pool evicts at every
-        # admission; walking all nodes for that took 0.4 ms at 1,400 nodes, and grew with the cache
+        # admission, and a walk of all nodes for that grows with the cache
         self._lru: list[tuple[int, int, Node]] = []
 
     def root(self, namespace: str) -> Node:
@@ -152,8 +152,7 @@ class RadixTree:
         """Whole pages that `key` shares with tokens[i:]. One C-level comparison in the usual case
         (the node matches entirely); where they diverge, a search that compares each token about
         once more: each probe compares only the pages between the last known equal one and the
-        middle (comparing from the start at every probe was most of an agent's admission: 39
-        siblings that part from a 3,000-token preamble's node in its last pages, ~8 ms a step)."""
+        middle (comparing from the start at every probe was most of an agent's admission)."""
         ps = self.page_size
         n = min(len(key), len(tokens) - i) // ps * ps
         seg = tuple(tokens[i:i + n])
@@ -243,7 +242,7 @@ class RadixTree:
 
     def evict(self, n_pages: int, owners: Collection[str] | None = None, exact: bool = False) -> Evicted:
         """Free at least n_pages (fewer if not enough are unlocked), LRU leaves first (ties: by
-        id(), as before the heap); a leaf's state slot goes with it. With `owners`, only leaves of those
+        id()); a leaf's state slot goes with it. With `owners`, only leaves of those
         owners' namespaces (`exact`: of those namespaces), found by a walk."""
         if owners is not None:
             heap = [(n.last_access, id(n), n) for n in self.nodes(owners, exact) if not n.children and n.lock == 0]
