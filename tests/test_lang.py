@@ -1,5 +1,5 @@
 """radixflow.lang: tracing builds the DAG the server runs; value-dependent flow runs step by step;
-the README's examples run against a live server, over HTTP and over NATS."""
+the examples of docs/programs.md run against a live server, over HTTP and over NATS."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ from radixflow.lang.eager import EagerState
 
 from .stacks import start, stop
 
-README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+README = os.path.join(os.path.dirname(__file__), "..", "docs", "programs.md")
 SCHEMA = {"type": "object", "properties": {"tool": {"type": "string", "enum": ["search", "calc", "none"]},
                                            "arg": {"type": "string", "maxLength": 12}}, "required": ["tool", "arg"]}
 

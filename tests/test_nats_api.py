@@ -1,5 +1,5 @@
 """The public NATS API with plain nats-py clients: JSON (by header) and msgpack, sequence numbers
-and one terminal item, typed errors, n > 1 on one stream; and the README's client runs."""
+and one terminal item, typed errors, n > 1 on one stream; and the client example of docs/api.md runs."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +14,7 @@ import pytest
 
 from .stacks import start, stop
 
-README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+README = os.path.join(os.path.dirname(__file__), "..", "docs", "api.md")
 JSON = {"Content-Type": "application/json"}
 
 

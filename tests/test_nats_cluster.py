@@ -1,6 +1,6 @@
 """Multi-node on an existing engine (issue 13): NATS clustering is the distribution layer. Three
 nats-server nodes routed to each other on loopback stand for three hosts; the services run as
-separate processes spread over them (the README's deployment: executors per GPU host, stateless
+separate processes spread over them (docs/deployment.md's several hosts: executors per GPU host, stateless
 services anywhere); requests cross the cluster; a node dies with 32 streams in flight."""
 from __future__ import annotations
 

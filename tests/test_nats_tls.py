@@ -138,7 +138,7 @@ async def test_a_service_connects_with_the_ca(nodes, keys, tls):
 
 
 async def test_radixflow_creds_tls_makes_a_deployments_node(tmp_path):
-    """The README's steps: `radixflow creds DIR --tls`, a nats-server configuration that includes
+    """The steps of docs/security.md: `radixflow creds DIR --tls`, a nats-server configuration that includes
     auth.conf, tls.conf and (in its cluster block) route_tls.conf, and a service with its key and the CA."""
     import subprocess
     import sys

