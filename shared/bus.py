@@ -83,7 +83,7 @@ class Bus:
         # open InboxStream each names
         self._batches = ""
         self._batches_lock = asyncio.Lock()
-        self._readers: dict[str, InboxStream] = {}
+        self.readers: dict[str, InboxStream] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -308,7 +308,7 @@ class Bus:
             return
         now = time.monotonic()
         for subject, item in zip(batch.subjects, batch.items):
-            reader = self._readers.get(subject)
+            reader = self.readers.get(subject)
             if reader is not None:        # else: a stream already closed (its client left)
                 reader.heard_at = now
                 reader.put(item, heard=False)

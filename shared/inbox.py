@@ -1,4 +1,5 @@
-"""InboxStream: the receiving end of a streamed reply on the bus (shared/bus.py opens it)."""
+"""InboxStream: the receiving end of a streamed reply on the bus (shared/bus.py opens it, and is
+known here only as the Connection it must be)."""
 from __future__ import annotations
 
 import asyncio
@@ -6,7 +7,7 @@ import collections
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import nats.errors
 from nats.aio.msg import Msg as NatsMsg
@@ -16,8 +17,16 @@ from . import messages
 from .errors import RadixflowError, RequestTimeout, StreamGap
 from .messages import Msg, ProgramEvent, StreamChunk, StreamError
 
-if TYPE_CHECKING:
-    from .bus import Bus
+
+class Connection(Protocol):
+    """What a stream needs of its bus (bus.Bus)."""
+    inbox_prefix: str
+    readers: dict[str, InboxStream]      # the open batched streams by subject: StreamBatch items go there
+
+    async def subscribe(self, subject: str, cb: Callable[[NatsMsg], Awaitable[None]],
+                        queue: str = "") -> Subscription: ...
+
+    async def batch_subject(self) -> str: ...
 
 
 class InboxStream:
@@ -34,16 +43,15 @@ class InboxStream:
     stream end with StreamGap.
     """
 
-    def __init__(self, bus: Bus, idle_timeout_s: float | None, batched: bool = False):
+    def __init__(self, bus: Connection, idle_timeout_s: float | None, batched: bool = False):
         self.bus = bus
         self.subject = f"{bus.inbox_prefix}.rf.{secrets.token_hex(12)}"   # its reader's own inbox
         self.batched = batched
         self.batch_subject = ""          # set on entering, when batched
         self.idle_timeout_s = idle_timeout_s
         # a deque and one waiter, not an asyncio.Queue under asyncio.timeout: every item of every
-        # stream passes here, and the queue's getter future plus a timer armed and cancelled per
-        # item were a tenth of the gateway's loop at 16 streams (py-spy); the idle timer is armed
-        # once and re-armed only when it fires early (_idle)
+        # stream passes here, and a getter future plus a timer per item weigh on the gateway's
+        # loop; the idle timer is armed once and re-armed only when it fires early (_idle)
         self._items: collections.deque[bytes | Msg | BaseException] = collections.deque()
         self._waiter: asyncio.Future | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -61,11 +69,11 @@ class InboxStream:
         self._sub = await self.bus.subscribe(self.subject, on_msg)
         if self.batched:
             self.batch_subject = await self.bus.batch_subject()
-            self.bus._readers[self.subject] = self
+            self.bus.readers[self.subject] = self
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        self.bus._readers.pop(self.subject, None)
+        self.bus.readers.pop(self.subject, None)
         if self._timer is not None:
             self._timer.cancel()
         if self._sub is not None:

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from radixflow.services.gateway import protocol as P
-from radixflow.services.gateway.app import resolve_model
+from radixflow.services.gateway.state import resolve_model
 from radixflow.services.gateway.auth import Principal
 from radixflow.services.gateway.client import Choice, Result
 from radixflow.services.gateway.native import native_body, requests_of

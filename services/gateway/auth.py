@@ -116,6 +116,16 @@ class Keys:
         return found
 
 
+def secret(value: str, path: str) -> str:
+    """A secret given in the environment (value) or in a file (its first line)."""
+    if path:
+        with open(path) as f:
+            value = f.readline().strip()
+        if not value:
+            raise ValueError(f"{path} is empty")
+    return value
+
+
 def _name(v: str, what: str) -> str:
     if not NAME.fullmatch(v):
         raise ValueError(f"{what} {v!r} must be 1-64 letters, digits or _.:@- (no '/')")

@@ -26,11 +26,9 @@ from radixflow.shared.messages import (AbortRequest, Accepted, DetokenizeReply, 
 from radixflow.shared.validate import MAX_RID, check_batch, check_request
 
 from . import protocol as P
-from .app import CLIENT, CONFIG, KEYS, check_open, principal, request_for
 from .client import Choice, Result, new_rid
-
-HEALTH = web.AppKey("health_generate", dict)
 from .sse import SSE
+from .state import Gateway, check_open, gateway, principal, request_for
 
 
 def finish_native(reason: str | None, matched, completion: int) -> dict | None:
@@ -90,7 +88,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     check_open(request)
     who = principal(request)
     body: P.GenerateBody = P.decode_body(await request.read(), P.GenerateBody)
-    reqs = requests_of(body, request.app[CLIENT].sampling_defaults())
+    reqs = requests_of(body, gateway(request).client.sampling_defaults())
     check_batch([r for r, _ in reqs], "text")
     for req, _ in reqs:
         request_for(request, who, req)
@@ -100,7 +98,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         req, opts = reqs[0]
         with log.bind_request(req.rid):
             return await _stream(request, req, opts, body.return_text_in_logprobs, t0)
-    results = await asyncio.gather(*(request.app[CLIENT].complete(r) for r, _ in reqs), return_exceptions=True)
+    results = await asyncio.gather(*(gateway(request).client.complete(r) for r, _ in reqs), return_exceptions=True)
     for r in results:
         if isinstance(r, BaseException):
             raise r
@@ -112,7 +110,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 async def _stream(request: web.Request, req: GenerateRequest, opts: dict, with_text: bool, t0: float):
-    client = request.app[CLIENT]
+    client = gateway(request).client
     gen = client.generate(req)
     try:
         acc: Accepted = await gen.__anext__()
@@ -151,7 +149,7 @@ async def _texts(request: web.Request, results: list[tuple[Result, dict]], with_
             ids += c.output_ids
             for tops in c.top_logprobs:
                 ids += tops.ids
-    return await request.app[CLIENT].token_texts(ids, known)
+    return await gateway(request).client.token_texts(ids, known)
 
 
 def _entry(lp: float | None, tok: int, texts: dict[int, str]) -> list:
@@ -188,36 +186,14 @@ def native_body(r: Result, c: Choice, opts: dict, texts: dict[int, str], latency
 # ---------------------------------------------------------------- tokens and information
 
 
-class AbortBody(P._Body, kw_only=True):
-    rid: str | list[str]
-
-
 MAX_ABORT = 1024
-
-
-class TokenizeBody(P._Body, kw_only=True):
-    text: str | list[str] | None = None
-    prompt: str | None = None                       # vLLM's name
-    messages: list[P.ChatMessageBody] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    tools: list[P.ToolBody] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    add_special_tokens: bool = True
-    model: str | None = None
-
-
-class DetokenizeBody(P._Body, kw_only=True):
-    tokens: list[int]
-    model: str | None = None
-    skip_special_tokens: bool = False
 
 
 async def tokenize(request: web.Request) -> web.Response:
     principal(request)
-    body: TokenizeBody = P.decode_body(await request.read(), TokenizeBody)
+    body: P.TokenizeBody = P.decode_body(await request.read(), P.TokenizeBody)
     text = body.text if body.text is not None else body.prompt
-    bus = request.app[CLIENT].bus
+    bus = gateway(request).client.bus
     if body.messages is not None:
         msgs = P.chat_messages(P.ChatBody(model="", messages=body.messages))
         req = EncodeRequest(messages=msgs, chat=P.chat_options(body))
@@ -236,23 +212,23 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     principal(request)
-    body: DetokenizeBody = P.decode_body(await request.read(), DetokenizeBody)
+    body: P.DetokenizeBody = P.decode_body(await request.read(), P.DetokenizeBody)
     if any(t < 0 for t in body.tokens):
         raise BadRequest("tokens must be non-negative token ids", param="tokens")
-    reply = await request.app[CLIENT].bus.request(subjects.TOKENIZER_DETOKENIZE, DetokenizeRequest(items=[DetokItem(
+    reply = await gateway(request).client.bus.request(subjects.TOKENIZER_DETOKENIZE, DetokenizeRequest(items=[DetokItem(
         ids=body.tokens, prefix_offset=0, read_offset=0, skip_special_tokens=body.skip_special_tokens, flush=True)]),
         DetokenizeReply, timeout=10)
     return web.json_response({"text": reply.items[0].text})
 
 
 def _max_model_len(request: web.Request) -> int:
-    models = request.app[CLIENT].models()
+    models = gateway(request).client.models()
     return models[0].max_model_len if models else 0
 
 
 async def get_model_info(request: web.Request) -> web.Response:
     principal(request)
-    models = request.app[CLIENT].models()
+    models = gateway(request).client.models()
     name = models[0].model if models else ""
     return web.json_response({"model_path": name, "tokenizer_path": name, "is_generation": True,
                               "served_model_name": name, "max_model_len": _max_model_len(request),
@@ -263,14 +239,15 @@ async def get_model_info(request: web.Request) -> web.Response:
 
 async def get_server_info(request: web.Request) -> web.Response:
     principal(request)
-    cfg = request.app[CONFIG]
+    gw = gateway(request)
+    cfg = gw.config
     from importlib.metadata import version as dist_version
     version = dist_version("radixflow")
-    return web.json_response({"version": version, "served_model_names": [m.model for m in request.app[CLIENT].models()],
+    return web.json_response({"version": version, "served_model_names": [m.model for m in gw.client.models()],
                               "executors": [{"model": m.model, "max_model_len": m.max_model_len, "page_size": m.page_size,
                                              "vocab_size": m.vocab_size, "running": m.running, "waiting": m.waiting}
-                                            for m in request.app[CLIENT].models()],
-                              "auth": bool(request.app[KEYS]),
+                                            for m in gw.client.models()],
+                              "auth": bool(gw.keys),
                               "host": cfg.host, "port": cfg.port})
 
 
@@ -282,10 +259,11 @@ async def health_generate(request: web.Request) -> web.Response:
     It is open to probes, so it must not be a way to make the server generate: every caller within
     HEALTH_GENERATE_S of the last run gets that run's result, and concurrent callers share one run."""
     check_open(request)
-    state = request.app[HEALTH]
+    gw = gateway(request)
+    state = gw.health
     now = time.monotonic()
     if state.get("task") is None and now - state.get("at", -1e9) > HEALTH_GENERATE_S:
-        state["task"] = asyncio.ensure_future(_health_run(request.app))
+        state["task"] = asyncio.ensure_future(_health_run(gw))
     if state.get("task") is not None:
         await asyncio.shield(state["task"])
     status, body = state.get("result", (503, {"status": "unavailable", "error": "the check was interrupted"}))
@@ -293,13 +271,13 @@ async def health_generate(request: web.Request) -> web.Response:
                              status=status)
 
 
-async def _health_run(app: web.Application) -> None:
-    state = app[HEALTH]
-    models = app[CLIENT].models()
+async def _health_run(gw: Gateway) -> None:
+    state = gw.health
+    models = gw.client.models()
     req = GenerateRequest(rid=new_rid(), stream_subject="", input_ids=[0], stream=False, tenant="!health",
                           sampling=SamplingParams(max_new_tokens=1, temperature=0))
     try:
-        await asyncio.wait_for(app[CLIENT].complete(req), timeout=20)
+        await asyncio.wait_for(gw.client.complete(req), timeout=20)
         state["result"] = 200, {"status": "ok", "model": models[0].model if models else None}
     except (RadixflowError, asyncio.TimeoutError) as e:
         msg = e.message if isinstance(e, RadixflowError) else "no answer within 20s"
@@ -314,11 +292,11 @@ async def abort_request(request: web.Request) -> web.Response:
     it was running, so that the answer says nothing about ids in use."""
     check_open(request)
     who = principal(request)
-    body: AbortBody = P.decode_body(await request.read(), AbortBody)
+    body: P.AbortBody = P.decode_body(await request.read(), P.AbortBody)
     rids = [body.rid] if isinstance(body.rid, str) else body.rid
     if not rids or len(rids) > MAX_ABORT or not all(0 < len(r) <= MAX_RID for r in rids):
         raise BadRequest(f"rid must be a request id or a list of at most {MAX_ABORT} of them", param="rid")
-    await request.app[CLIENT].bus.publish(subjects.SCHEDULER_ABORT, AbortRequest(rids=rids, tenant=who.tenant))
+    await gateway(request).client.bus.publish(subjects.SCHEDULER_ABORT, AbortRequest(rids=rids, tenant=who.tenant))
     return web.json_response({})
 
 
@@ -331,4 +309,3 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/server_info", get_server_info)      # what sglang.get_server_info() asks
     app.router.add_get("/health_generate", health_generate)
     app.router.add_post("/abort_request", abort_request)
-    app[HEALTH] = {}

@@ -18,9 +18,9 @@ from radixflow.shared.messages import Accepted, GenerateRequest, StreamChunk, To
 from radixflow.shared.validate import check_batch, check_request
 
 from . import protocol as P
-from .app import CLIENT, check_model, check_open, principal, request_for
 from .client import Choice, Result, new_rid
 from .sse import SSE
+from .state import check_model, check_open, gateway, principal, request_for
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -90,7 +90,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         req = GenerateRequest(rid=new_rid(), stream_subject="", cache_salt=body.cache_salt,
                               text=p if isinstance(p, str) else None, input_ids=p if isinstance(p, list) else None,
                               sampling=P.openai_sampling(body, body.max_tokens, 16, logprobs=want, top=body.logprobs or 0,
-                                                         defaults=request.app[CLIENT].sampling_defaults(model)),
+                                                         defaults=gateway(request).client.sampling_defaults(model)),
                               stream=body.stream, constraint=P.openai_constraint(body), n=body.n,
                               logprob_start=0 if body.echo and want else -1)
         request_for(request, who, req)
@@ -102,11 +102,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     with log.bind_request(reqs[0].rid):
         if body.stream:
             return await _stream(request, reqs[0], body, model, chat=False)
-        results = await asyncio.gather(*(request.app[CLIENT].complete(r) for r in reqs), return_exceptions=True)
+        results = await asyncio.gather(*(gateway(request).client.complete(r) for r in reqs), return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
                 raise r
-        client = request.app[CLIENT]
+        client = gateway(request).client
         ids = [t for r in results for c in r.choices for t in c.output_ids + [a for x in c.top_logprobs for a in x.ids]]
         ids += [t for r in results for t in r.input_ids + [a for x in r.input_top_logprobs for a in x.ids]]
         texts = await client.token_texts(ids) if want else {}
@@ -136,7 +136,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _echo_text(request: web.Request, prompt: str | list[int]) -> str:
     if isinstance(prompt, str):
         return prompt
-    return await request.app[CLIENT].detokenize(prompt)      # whole: a character may span tokens
+    return await gateway(request).client.detokenize(prompt)      # whole: a character may span tokens
 
 
 # ---------------------------------------------------------------- /v1/chat/completions
@@ -152,7 +152,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                           messages=P.chat_messages(body), chat=P.chat_options(body, body.tool_choice),
                           sampling=P.openai_sampling(body, max_tokens, 1024, logprobs=body.logprobs,
                                                      top=body.top_logprobs or 0,
-                                                     defaults=request.app[CLIENT].sampling_defaults(model)),
+                                                     defaults=gateway(request).client.sampling_defaults(model)),
                           stream=body.stream, constraint=P.openai_constraint(body), n=body.n)
     request_for(request, who, req)
     check_request(req)
@@ -161,7 +161,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     with log.bind_request(req.rid):
         if body.stream:
             return await _stream(request, req, body, model, chat=True)
-        r = await request.app[CLIENT].complete(req)
+        r = await gateway(request).client.complete(req)
         texts = await _choice_texts(request, r.choices) if body.logprobs else {}
         choices = []
         for c in r.choices:
@@ -177,7 +177,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _choice_texts(request: web.Request, choices: list[Choice] | list[StreamChunk]) -> dict[int, str]:
     ids = [t for c in choices for t in (c.output_ids if isinstance(c, Choice) else c.token_ids)]
     ids += [a for c in choices for x in c.top_logprobs for a in x.ids]
-    return await request.app[CLIENT].token_texts(ids)
+    return await gateway(request).client.token_texts(ids)
 
 
 # ---------------------------------------------------------------- streaming (both)
@@ -185,7 +185,7 @@ async def _choice_texts(request: web.Request, choices: list[Choice] | list[Strea
 
 async def _stream(request: web.Request, req: GenerateRequest, body: Any, model: str,
                   chat: bool) -> web.StreamResponse:
-    client = request.app[CLIENT]
+    client = gateway(request).client
     head = {"id": ("chatcmpl-" if chat else "cmpl-") + req.rid,
             "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
             "model": model}
@@ -245,7 +245,7 @@ async def _stream(request: web.Request, req: GenerateRequest, body: Any, model: 
 async def models(request: web.Request) -> web.Response:
     principal(request)
     data = [{"id": m.model, "object": "model", "created": 0, "owned_by": "radixflow", "max_model_len": m.max_model_len}
-            for m in request.app[CLIENT].models()]
+            for m in gateway(request).client.models()]
     return web.json_response({"object": "list", "data": data})
 
 

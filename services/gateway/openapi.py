@@ -12,36 +12,29 @@ import msgspec
 from . import protocol as P
 
 # (method, path, tag, summary, request body struct or None)
-ROUTES: list[tuple[str, str, str, str, type | None]] = []
-
-
-def _bodies() -> None:
-    from .native import AbortBody, DetokenizeBody, TokenizeBody
-    from .ops import FlushBody
-    from .programs import ProgramBody
-    ROUTES[:] = [
-        ("post", "/v1/completions", "openai", "Text completions (OpenAI); n, logprobs, echo, stream", P.CompletionBody),
-        ("post", "/v1/chat/completions", "openai", "Chat completions (OpenAI); n, logprobs, stream", P.ChatBody),
-        ("get", "/v1/models", "openai", "The served models", None),
-        ("post", "/generate", "sglang", "SGLang-native generation: one prompt or a batch; prompt logprobs", P.GenerateBody),
-        ("post", "/tokenize", "sglang", "Text (or chat messages) to token ids", TokenizeBody),
-        ("post", "/detokenize", "sglang", "Token ids to text", DetokenizeBody),
-        ("get", "/get_model_info", "sglang", "The served model", None),
-        ("get", "/get_server_info", "sglang", "Version, executors, auth", None),
-        ("get", "/server_info", "sglang", "The same (the name sglang.get_server_info() uses)", None),
-        ("get", "/health_generate", "sglang", "200 after a one-token generation went through", None),
-        ("post", "/abort_request", "sglang", "Abort the caller's own requests of these ids", AbortBody),
-        ("post", "/v1/programs", "programs", "Run a program (a DAG of gen/select nodes)", ProgramBody),
-        ("get", "/v1/programs/{id}", "programs", "A program's state and node results", None),
-        ("delete", "/v1/programs/{id}", "programs", "Cancel a program", None),
-        ("delete", "/v1/programs/{id}/nodes/{node}", "programs", "Cancel a node and its dependents", None),
-        ("get", "/health", "operations", "200 when every service answers, a model is served and the grammar workers have started", None),
-        ("get", "/metrics", "operations", "Prometheus text of every instance", None),
-        ("get", "/v1/memory", "operations", "Realized KV and state memory of every executor", None),
-        ("post", "/flush_cache", "operations", "Empty the caller's cached pages (all: admin)", FlushBody),
-        ("get", "/flush_cache", "operations", "Empty the caller's cached pages", None),
-        ("get", "/openapi.json", "operations", "This description", None),
-    ]
+ROUTES: tuple[tuple[str, str, str, str, type | None], ...] = (
+    ("post", "/v1/completions", "openai", "Text completions (OpenAI); n, logprobs, echo, stream", P.CompletionBody),
+    ("post", "/v1/chat/completions", "openai", "Chat completions (OpenAI); n, logprobs, stream", P.ChatBody),
+    ("get", "/v1/models", "openai", "The served models", None),
+    ("post", "/generate", "sglang", "SGLang-native generation: one prompt or a batch; prompt logprobs", P.GenerateBody),
+    ("post", "/tokenize", "sglang", "Text (or chat messages) to token ids", P.TokenizeBody),
+    ("post", "/detokenize", "sglang", "Token ids to text", P.DetokenizeBody),
+    ("get", "/get_model_info", "sglang", "The served model", None),
+    ("get", "/get_server_info", "sglang", "Version, executors, auth", None),
+    ("get", "/server_info", "sglang", "The same (the name sglang.get_server_info() uses)", None),
+    ("get", "/health_generate", "sglang", "200 after a one-token generation went through", None),
+    ("post", "/abort_request", "sglang", "Abort the caller's own requests of these ids", P.AbortBody),
+    ("post", "/v1/programs", "programs", "Run a program (a DAG of gen/select nodes)", P.ProgramBody),
+    ("get", "/v1/programs/{id}", "programs", "A program's state and node results", None),
+    ("delete", "/v1/programs/{id}", "programs", "Cancel a program", None),
+    ("delete", "/v1/programs/{id}/nodes/{node}", "programs", "Cancel a node and its dependents", None),
+    ("get", "/health", "operations", "200 when every service answers, a model is served and the grammar workers have started", None),
+    ("get", "/metrics", "operations", "Prometheus text of every instance", None),
+    ("get", "/v1/memory", "operations", "Realized KV and state memory of every executor", None),
+    ("post", "/flush_cache", "operations", "Empty the caller's cached pages (all: admin)", P.FlushBody),
+    ("get", "/flush_cache", "operations", "Empty the caller's cached pages", None),
+    ("get", "/openapi.json", "operations", "This description", None),
+)
 
 
 ERROR = {"type": "object", "properties": {"error": {"type": "object", "properties": {
@@ -50,8 +43,6 @@ ERROR = {"type": "object", "properties": {"error": {"type": "object", "propertie
 
 
 def spec() -> dict:
-    if not ROUTES:
-        _bodies()
     bodies = [b for *_, b in ROUTES if b is not None]
     schemas, components = msgspec.json.schema_components(bodies, ref_template="#/components/schemas/{name}")
     by_type = dict(zip(bodies, schemas))
@@ -64,8 +55,8 @@ def spec() -> dict:
         params = [p.strip("{}") for p in path.split("/") if p.startswith("{")]
         if params:
             op["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in params]
-        if body is not None:
-            op["requestBody"] = {"required": method != "get" and body is not _optional_body(),
+        if body is not None:     # flush_cache takes an empty body as {} (ops.py)
+            op["requestBody"] = {"required": method != "get" and body is not P.FlushBody,
                                  "content": {"application/json": {"schema": by_type[body]}}}
         if path not in ("/health", "/metrics", "/openapi.json", "/health_generate"):
             op["security"] = [{"bearer": []}]
@@ -76,11 +67,6 @@ def spec() -> dict:
             "paths": paths,
             "components": {"schemas": components,
                            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}
-
-
-def _optional_body() -> type:
-    from .ops import FlushBody
-    return FlushBody
 
 
 def render() -> str:

@@ -16,16 +16,18 @@ from radixflow.shared.messages import (MemoryReply, MetricsReply, RadixFlush, Ra
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from . import protocol as P
-from .metrics import Gathered
-from .app import BUS, CLIENT, CONFIG, DRAINING, KEYS, SCRAPE_TOKEN, principal
 from .auth import Principal
+from .metrics import Gathered
+from .openapi import spec
+from .state import gateway, principal
 
 
 async def health(request: web.Request) -> web.Response:
     """200 only when every service answers its status request, an executor is serving a model
     (known to both the scheduler and this gateway, so a request sent now can run) and the grammar
     service's compile workers have started."""
-    bus, cfg = request.app[BUS], request.app[CONFIG]
+    gw = gateway(request)
+    bus, cfg = gw.bus, gw.config
 
     async def ask(service: str) -> StatusReply | None:
         try:
@@ -37,17 +39,13 @@ async def health(request: web.Request) -> web.Response:
     replies = dict(zip(names, await asyncio.gather(*(ask(s) for s in names))))
     ok = {n: r is not None for n, r in replies.items()}
     ok["scheduler"] = ok["scheduler"] and bool(replies["scheduler"].detail.get("executors"))
-    ok["executor"] = ok["executor"] and bool(request.app[CLIENT].models())
+    ok["executor"] = ok["executor"] and bool(gw.client.models())
     # the grammar service answers at once but boots its compile workers in the background, seconds
     # of CPU on every core: ready only after, or the first requests' model steps run beside them
     ok["grammar"] = ok["grammar"] and not replies["grammar"].detail.get("workers_booting", 0)
-    ok["gateway"] = not request.app[DRAINING].is_set()
+    ok["gateway"] = not gw.draining.is_set()
     healthy = all(ok.values())
     return web.json_response({"status": "ok" if healthy else "unavailable", "services": ok}, status=200 if healthy else 503)
-
-
-class FlushBody(P._Body, kw_only=True):
-    all: bool = False                 # admin: every tenant's cache
 
 
 async def flush_cache(request: web.Request) -> web.Response:
@@ -55,12 +53,13 @@ async def flush_cache(request: web.Request) -> web.Response:
     stays). Every tenant's: an admin key with {"all": true}, or auth off."""
     who = principal(request)
     raw = await request.read()
-    body = P.decode_body(raw, FlushBody) if raw.strip() else FlushBody()
+    body = P.decode_body(raw, P.FlushBody) if raw.strip() else P.FlushBody()
     if body.all:
         who.require_admin("flushing every tenant's cache")
-    everything = body.all or not request.app[KEYS]      # auth off: there is one tenant
+    gw = gateway(request)
+    everything = body.all or not gw.keys      # auth off: there is one tenant
     namespaces = [] if everything else who.flushable()
-    out = await request.app[BUS].request(subjects.RADIX_FLUSH, RadixFlush(namespaces=namespaces), RadixFlushed,
+    out = await gw.bus.request(subjects.RADIX_FLUSH, RadixFlush(namespaces=namespaces), RadixFlushed,
                                          timeout=10)
     return web.json_response({"message": "cache flushed", "freed_pages": out.freed_pages,
                               "namespaces": namespaces or "all"})
@@ -76,9 +75,9 @@ async def metrics(request: web.Request) -> web.Response:
     everyone = scrape_token_ok(request)
     who = None if everyone else principal(request)     # no key, no token: 401
     everyone = everyone or who.role == "admin"
-    client = request.app[CLIENT]
-    known = len(client.executors()) + len(client.schedulers()) + 4
-    replies = await request.app[BUS].gather(subjects.METRICS, StatusRequest(), MetricsReply, window_s=2.0,
+    gw = gateway(request)
+    known = len(gw.client.executors()) + len(gw.client.schedulers()) + 4
+    replies = await gw.bus.gather(subjects.METRICS, StatusRequest(), MetricsReply, window_s=2.0,
                                             expect=known, min_s=0.2)
     if not everyone:
         replies = [only_own(r, who) for r in replies]
@@ -90,7 +89,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 def scrape_token_ok(request: web.Request) -> bool:
     """Whether the caller shows the scrape token (a monitoring system's: every tenant's series)."""
-    token = request.app[SCRAPE_TOKEN]
+    token = gateway(request).scrape_token
     given = request.headers.get("Authorization", "")
     given = given[7:].strip() if given[:7].lower() == "bearer " else ""
     return bool(token) and hmac.compare_digest(hashlib.sha256(given.encode()).digest(),
@@ -109,9 +108,10 @@ async def memory(request: web.Request) -> web.Response:
     """Realized memory of every executor (bytes per token, per state slot, dtypes, pool sizes) with
     its pool's occupancy as the radix service sees it."""
     principal(request)
-    bus = request.app[BUS]
+    gw = gateway(request)
+    bus = gw.bus
     # every live executor answers (up to 2 s for a busy one), not those that made a fixed 0.2 s
-    live = len(request.app[CLIENT].executors())
+    live = len(gw.client.executors())
     reports = await bus.gather(subjects.MEMORY, StatusRequest(), MemoryReply, window_s=2.0 if live else 0.2, expect=live)
     try:
         pools = (await bus.request(subjects.status("radix"), StatusRequest(), StatusReply, timeout=2)).detail.get("pools", {})
@@ -123,7 +123,6 @@ async def memory(request: web.Request) -> web.Response:
 
 
 async def openapi_json(request: web.Request) -> web.Response:
-    from .openapi import spec
     return web.json_response(spec())
 
 

@@ -13,21 +13,13 @@ from aiohttp import web
 
 from radixflow.shared import log
 from radixflow.shared.errors import RadixflowError
-from radixflow.shared.messages import NodeResult, ProgramAccepted, ProgramEvent, ProgramNode, ProgramQuery, ProgramRequest
+from radixflow.shared.messages import NodeResult, ProgramAccepted, ProgramEvent, ProgramQuery, ProgramRequest
 
 from . import protocol as P
-from .app import CLIENT, check_open, principal, request_for
 from .client import new_rid
 from .native import finish_native
 from .sse import SSE
-
-
-class ProgramBody(P._Body, kw_only=True):
-    nodes: list[ProgramNode]
-    stream: bool = False
-    id: str | None = None
-    cache_salt: str | None = None
-    timeout: float = 0.0               # seconds; the program's one deadline (0: the server's request timeout)
+from .state import check_open, gateway, principal, request_for
 
 
 def node_json(r: NodeResult) -> dict:
@@ -54,12 +46,12 @@ def _dag_json(info) -> dict:
 async def post_program(request: web.Request) -> web.StreamResponse:
     check_open(request)
     who = principal(request)
-    body: ProgramBody = P.decode_body(await request.read(), ProgramBody)
+    body: P.ProgramBody = P.decode_body(await request.read(), P.ProgramBody)
     req = ProgramRequest(id=body.id or new_rid(), stream_subject="", nodes=body.nodes, cache_salt=body.cache_salt,
                          stream=body.stream, timeout_s=body.timeout)
     request_for(request, who, req)
     with log.bind_request(req.id):
-        gen = request.app[CLIENT].program(req)
+        gen = gateway(request).client.program(req)
         try:
             acc: ProgramAccepted = await gen.__anext__()
             results: dict[str, dict] = {}
@@ -96,12 +88,12 @@ async def post_program(request: web.Request) -> web.StreamResponse:
 
 async def get_program(request: web.Request) -> web.Response:
     q = ProgramQuery(id=request.match_info["id"], tenant=principal(request).tenant)
-    return web.json_response(_dag_json(await request.app[CLIENT].program_op("get", q)))
+    return web.json_response(_dag_json(await gateway(request).client.program_op("get", q)))
 
 
 async def cancel_program(request: web.Request) -> web.Response:
     q = ProgramQuery(id=request.match_info["id"], tenant=principal(request).tenant, node=request.match_info.get("node"))
-    return web.json_response(_dag_json(await request.app[CLIENT].program_op("cancel", q)))
+    return web.json_response(_dag_json(await gateway(request).client.program_op("cancel", q)))
 
 
 def add_routes(app: web.Application) -> None:

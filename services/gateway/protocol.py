@@ -1,5 +1,6 @@
-"""HTTP request bodies (SGLang-native and OpenAI), decoded strictly with msgspec, and their
-translation into the bus's GenerateRequest. A wrong type or an unknown field is a 400 naming it."""
+"""HTTP request bodies (every dialect's, so that the route table in openapi.py needs no handler),
+decoded strictly with msgspec, and their translation into the bus's GenerateRequest. A wrong type
+or an unknown field is a 400 naming it."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ from typing import Any
 import msgspec
 
 from radixflow.shared.errors import BadRequest
-from radixflow.shared.messages import ChatMessage, ChatOptions, Constraint, SamplingParams, TokenId
+from radixflow.shared.messages import ChatMessage, ChatOptions, Constraint, ProgramNode, SamplingParams, TokenId
 from radixflow.shared.validate import one_constraint
 
 
@@ -165,6 +166,41 @@ class ChatBody(_OpenAIBase, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+
+class TokenizeBody(_Body, kw_only=True):
+    text: str | list[str] | None = None
+    prompt: str | None = None                       # vLLM's name
+    messages: list[ChatMessageBody] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[ToolBody] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = True
+    model: str | None = None
+
+
+class DetokenizeBody(_Body, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+    skip_special_tokens: bool = False
+
+
+class AbortBody(_Body, kw_only=True):
+    rid: str | list[str]
+
+
+class ProgramBody(_Body, kw_only=True):
+    nodes: list[ProgramNode]
+    stream: bool = False
+    id: str | None = None
+    cache_salt: str | None = None
+    timeout: float = 0.0               # seconds; the program's one deadline (0: the server's request timeout)
+
+
+class FlushBody(_Body, kw_only=True):
+    all: bool = False                 # admin: every tenant's cache
+
+
 def decode_body(raw: bytes, typ: type) -> Any:
     if not raw.strip():
         raise BadRequest("the request body is empty; a JSON object is required")
@@ -281,8 +317,8 @@ _TOKEN_IDS = list[TokenId]
 
 
 def token_ids(raw: Any, param: str, what: str) -> list[int]:
-    """`raw` as token ids (ints >= 0, not bools), checked by msgspec in C: a 3,000-token prompt in
-    ~18 us, where type checks in Python took 70-150 us. `what`: the message for a wrong type."""
+    """`raw` as token ids (ints >= 0, not bools), checked by msgspec in C: a long prompt's type
+    checks in Python would cost several times as much. `what`: the message for a wrong type."""
     try:
         return msgspec.convert(raw, _TOKEN_IDS)
     except msgspec.ValidationError as e:

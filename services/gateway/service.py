@@ -13,8 +13,9 @@ from radixflow.shared.config import GatewayConfig, ServiceConfig
 from radixflow.shared.errors import ServiceUnavailable
 from radixflow.shared.messages import Heartbeat, Sample
 
-from .app import DRAINING, KEYS, make_app, tenant_samples
+from .app import make_app
 from .client import EngineClient
+from .state import Gateway
 
 
 def loopback(host: str) -> bool:
@@ -42,8 +43,9 @@ class GatewayService(Actor):
         self.cfg = config
         self.client = EngineClient(bus, config.scheduler_timeout_s, request_timeout_s, config.stall_check_s,
                                    origin=self.instance, coalesce=config.coalesce_streams)
-        self.app = make_app(bus, self.client, config)
-        if not self.app[KEYS] and not config.insecure and not loopback(config.host):
+        self.gateway = Gateway.load(bus, self.client, config)
+        self.app = make_app(self.gateway)
+        if not self.gateway.keys and not config.insecure and not loopback(config.host):
             raise ValueError(f"refusing to serve without API keys on {config.host!r}, which is not a loopback "
                              "address: every caller would be the admin. Give --api-key / --auth-file (or "
                              "RADIXFLOW_GATEWAY_API_KEYS), bind 127.0.0.1, or pass --insecure")
@@ -76,7 +78,7 @@ class GatewayService(Actor):
 
     async def drain(self, timeout_s: float | None = None) -> None:
         # HTTP first, while heartbeats still flow (the stream watchdog needs them), then the bus
-        self.app[DRAINING].set()
+        self.gateway.draining.set()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self.config.drain_timeout_s if timeout_s is None else timeout_s)
         while self._inflight and loop.time() < deadline:
@@ -96,4 +98,4 @@ class GatewayService(Actor):
 
     def metrics(self) -> list[Sample]:
         return [Sample(name="http_inflight", value=self._inflight),
-                Sample(name="stream_items_resent_total", value=self.client.resent_total)] + tenant_samples(self.app)
+                Sample(name="stream_items_resent_total", value=self.client.resent_total)] + self.gateway.tenant_samples()

@@ -17,25 +17,39 @@ abort during the prefill stage stops it, and the request is never sent on.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
+from structlog.stdlib import BoundLogger
 
 from radixflow.shared.errors import RadixflowError
 from radixflow.shared.messages import ExecRequest, StreamChunk, StreamError, Usage
 
+from .executors import ExecutorState
 from .table import Tracked
 
-if TYPE_CHECKING:
-    from .service import ExecutorState, SchedulerService
+
+class Scheduler(Protocol):
+    """What a handoff needs of its scheduler (SchedulerService, service.py)."""
+    log: BoundLogger
+    handoffs: dict[str, Handoff]                  # by rid, while in the prefill stage
+    handoff_tasks: set[asyncio.Task]              # ... and while being sent on
+    disagg_counters: dict[str, int]
+
+    async def dispatch(self, ex: ExecutorState, req: ExecRequest, t: Tracked, reserved: bool = False,
+                       burst: int = 0) -> None: ...
+
+    async def abort_rids(self, rids: list[str]) -> None: ...
+
+    async def send(self, t: Tracked, item: StreamChunk | StreamError) -> None: ...
 
 
 def stage_rid(rid: str) -> str:
     return rid + "/prefill"
 
 
-def pick_prefill(live: list["ExecutorState"], decode: "ExecutorState", prompt: int, cached: int,
-                 min_tokens: int, max_queue: int) -> "ExecutorState | None":
+def pick_prefill(live: list[ExecutorState], decode: ExecutorState, prompt: int, cached: int,
+                 min_tokens: int, max_queue: int) -> ExecutorState | None:
     """The prefill executor for a request bound for `decode`, or None to prefill there."""
     if min_tokens <= 0 or not decode.info.takes_pages or prompt - cached < min_tokens:
         return None
@@ -47,7 +61,7 @@ def pick_prefill(live: list["ExecutorState"], decode: "ExecutorState", prompt: i
 
 
 class Handoff:
-    def __init__(self, sched: "SchedulerService", prefill: "ExecutorState", decode: "ExecutorState",
+    def __init__(self, sched: Scheduler, prefill: ExecutorState, decode: ExecutorState,
                  req: ExecRequest, tracked: Tracked, cached: int = 0):
         self.sched, self.prefill, self.decode, self.req, self.tracked = sched, prefill, decode, req, tracked
         self.cached = cached                # what the decode executor has cached of the prompt: not moved
@@ -98,8 +112,8 @@ class Handoff:
         try:
             await self.sched.dispatch(self.decode, self.req, t, reserved=True)
         except RadixflowError as e:       # refused there: the stream's one terminal event
-            await self.sched._send(t, StreamError(rid=t.rid, seq=t.take_seq(), code=e.code, kind=e.kind,
-                                                  message=e.message))
+            await self.sched.send(t, StreamError(rid=t.rid, seq=t.take_seq(), code=e.code, kind=e.kind,
+                                                 message=e.message))
         finally:
             if t.ticket is not None:
                 t.ticket.release()
@@ -114,7 +128,7 @@ class Handoff:
         await self.sched.abort_rids([stage_rid(self.req.rid)])
         self.decode.inflight -= 1
         t = self.tracked
-        await self.sched._send(t, StreamChunk(rid=t.rid, seq=t.take_seq(), finished=True, finish_reason="abort",
-                                              usage=Usage(prompt_tokens=t.prompt_tokens)))
+        await self.sched.send(t, StreamChunk(rid=t.rid, seq=t.take_seq(), finished=True, finish_reason="abort",
+                                             usage=Usage(prompt_tokens=t.prompt_tokens)))
         if t.ticket is not None:
             t.ticket.release()

@@ -5,28 +5,34 @@
     event: _end (its finished chunk) or fail (a StreamError).
 
 A mixin of SchedulerService (service.py), which owns the state used here: the request table, the
-detokenizer, the stream log, the recovery and the latency histograms.
+detokenizer, the stream log, the recovery and the latency histograms. OutputPath declares what it
+uses of its host (annotations only: nothing here shadows the host's own).
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 import msgspec
+from structlog.stdlib import BoundLogger
 
 from radixflow.shared import ids as ids_, log, subjects
+from radixflow.shared.bus import Bus
+from radixflow.shared.config import SchedulerConfig
 from radixflow.shared.errors import PayloadTooLarge, RadixflowError
+from radixflow.shared.histogram import Histogram
 from radixflow.shared.messages import (AbortRequest, DetokItem, ExecAccepted, Resend, Resent, SeqOutput, StepOutput,
                                        StreamBatch, StreamChunk, StreamError, Usage)
+from radixflow.shared.recent import Recent
 
+from .detok import Detokenizer
+from .executors import ExecutorState
+from .recovery import Recovery
 from .stops import StopMatcher
-from .table import Tracked
-
-if TYPE_CHECKING:
-    from .service import SchedulerService as _Base
-else:
-    _Base = object
+from .streamlog import StreamLog
+from .structured import Checks
+from .table import RequestTable, Tracked
 
 
 # steps taken in before their text is made (while more are waiting): bounds how long a loop that
@@ -34,7 +40,33 @@ else:
 MAX_ABSORBED = 16
 
 
-class OutputPath(_Base):
+class OutputPath:
+    # the host's (SchedulerService)
+    bus: Bus
+    cfg: SchedulerConfig
+    log: BoundLogger
+    table: RequestTable
+    executors: dict[str, ExecutorState]
+    detok: Detokenizer
+    checks: Checks
+    recovery: Recovery
+    streams: StreamLog
+    ended: Recent
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    output_subject: str
+    resampled_total: int
+    queued: Callable[[str], int]                                  # Actor's: messages waiting on a subject
+    _abort_quietly: Callable[[str, list[str]], Awaitable[None]]
+    # this path's own, set up by the host: outputs taken in and not yet sent, steps taken in since
+    # the last pass, the items of the pass under way (by reader), and requests whose end waits for
+    # their check
+    _unsent: dict[str, tuple[Tracked, SeqOutput]]
+    _absorbed: int
+    _outbox: dict[str, list] | None
+    _checking: set[asyncio.Task]
+
     async def on_output(self, step: StepOutput) -> None:
         """Take one executor step in (its tokens onto each request), then, unless more steps are
         already waiting, make the text and the stream items of everything taken in since the last
@@ -128,7 +160,7 @@ class OutputPath(_Base):
             elif t.hold:
                 t.held += text
             else:
-                await self._send(t, t.take(text))
+                await self.send(t, t.take(text))
         for ex, rids in stopped.items():
             await self.bus.publish(subjects.executor_abort(ex), AbortRequest(rids=rids))
 
@@ -153,7 +185,9 @@ class OutputPath(_Base):
         else:
             await self._end(t, text, o.finish_reason or "stop", o.matched_stop)
 
-    async def _send(self, t: Tracked, item: StreamChunk | StreamError) -> None:
+    async def send(self, t: Tracked, item: StreamChunk | StreamError) -> None:
+        """One of a request's items to its reader: its sink (a group's, a handoff's, a program's),
+        else its stream."""
         if t.sink is not None:
             await t.sink(item)
             return
@@ -221,7 +255,7 @@ class OutputPath(_Base):
         self.e2e.observe(time.monotonic() - t.accepted_at)
         self._release(t)
         text, t.held = t.held + text, ""
-        await self._send(t, t.take(text, finished=True, finish_reason=reason, matched_stop=matched, usage=Usage(
+        await self.send(t, t.take(text, finished=True, finish_reason=reason, matched_stop=matched, usage=Usage(
             prompt_tokens=t.prompt_tokens, completion_tokens=len(t.output_ids), cached_tokens=t.cached_tokens,
             resamples=t.resamples),
             input_logprobs=t.input_logprobs, input_top_logprobs=t.input_top_logprobs, input_ids=t.prompt_ids))
@@ -258,7 +292,7 @@ class OutputPath(_Base):
         self._release(t)
         with log.bind_request(t.rid):
             self.log.warning("request failed", code=code, error=message)
-        await self._send(t, StreamError(rid=t.rid, seq=t.take_seq(), code=code, kind=kind, message=message))
+        await self.send(t, StreamError(rid=t.rid, seq=t.take_seq(), code=code, kind=kind, message=message))
         if abort:
             try:
                 await self.bus.publish(subjects.executor_abort(t.executor), AbortRequest(rids=[t.rid]))

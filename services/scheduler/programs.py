@@ -16,21 +16,25 @@ import asyncio
 import time
 from collections import OrderedDict
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
+
+from structlog.stdlib import BoundLogger
 
 from radixflow.shared import ids as ids_, subjects, validate
+from radixflow.shared.bus import Bus
+from radixflow.shared.config import SchedulerConfig
 from radixflow.shared.errors import BadRequest, NotFound, RadixflowError
-from radixflow.shared.messages import (AbortRequest, CacheHints, Demote, ExecRequest, ProgramAccepted, ProgramEvent,
-                                       ProgramInfo, ProgramQuery, ProgramRequest, Sample, StreamChunk, StreamError)
+from radixflow.shared.messages import (AbortRequest, CacheHints, ChatOptions, Constraint, Demote, EncodeReply,
+                                       ExecRequest, ProgramAccepted, ProgramEvent, ProgramInfo, ProgramQuery,
+                                       ProgramRequest, Sample, StreamChunk, StreamError)
 
+from .executors import ExecutorState
 from .graph import Limits, Node, ProgramGraph, constraint_of
 from .policy import Job, ProgramPolicy
+from .streamlog import StreamLog
 from .structured import OutputCheck
 from .table import Tracked, namespace_of
-from .tenants import Ticket
-
-if TYPE_CHECKING:
-    from .service import SchedulerService
+from .tenants import TenantLedger, Ticket
 
 KEEP_ENDED = 256       # finished programs answered by GET, most recent first
 
@@ -72,8 +76,37 @@ class ProgramRun:
         return ProgramInfo(id=self.id, state=self.state, nodes=[self.graph.result(n) for n in self.graph.order])
 
 
+class Scheduler(Protocol):
+    """What the driver needs of its scheduler (SchedulerService, service.py): intake, placement and
+    dispatch of the nodes' requests, as for any other request."""
+    bus: Bus
+    cfg: SchedulerConfig
+    instance: str
+    log: BoundLogger
+    executors: dict[str, ExecutorState]
+    tenants: TenantLedger
+    streams: StreamLog
+
+    def check_room(self, n: int = 1) -> None: ...
+
+    def live_executors(self) -> list[ExecutorState]: ...
+
+    async def encode(self, text: str | None = None, messages=None, texts: list[str] | None = None,
+                     chat: ChatOptions | None = None) -> EncodeReply: ...
+
+    async def compile(self, c: Constraint | None, tenant: str = "") -> tuple[str | None, OutputCheck | None]: ...
+
+    async def place(self, live: list[ExecutorState], namespace: str, ids: list[int],
+                    cached: dict[str, int] | None = None) -> ExecutorState: ...
+
+    async def dispatch(self, ex: ExecutorState, req: ExecRequest, t: Tracked, reserved: bool = False,
+                       burst: int = 0) -> None: ...
+
+    def forget(self, rids: list[str]) -> dict[str, list[str]]: ...
+
+
 class ProgramDriver:
-    def __init__(self, sched: "SchedulerService"):
+    def __init__(self, sched: Scheduler):
         self.sched = sched
         self.policy = ProgramPolicy()
         self.runs: dict[str, ProgramRun] = {}

@@ -14,21 +14,42 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
+
+from structlog.stdlib import BoundLogger
 
 from radixflow.shared import subjects
+from radixflow.shared.bus import Bus
+from radixflow.shared.config import SchedulerConfig
 from radixflow.shared.errors import RadixflowError, RequestLost
 from radixflow.shared.messages import (ExecAccepted, LiveQuery, LiveReply, ProgramQuery, Replay, Replayed, SeqOutput,
                                        StatusReply, StatusRequest)
 
-from .table import Tracked
+from .executors import ExecutorState
+from .programs import ProgramDriver
+from .routing import Router
+from .table import RequestTable, Tracked
 
-if TYPE_CHECKING:
-    from .service import ExecutorState, SchedulerService
+
+class Scheduler(Protocol):
+    """What recovery needs of its scheduler (SchedulerService, service.py)."""
+    bus: Bus
+    cfg: SchedulerConfig
+    log: BoundLogger
+    table: RequestTable
+    executors: dict[str, ExecutorState]
+    router: Router
+    programs: ProgramDriver
+    gateways: dict[str, float]          # gateway instance -> its latest beat (monotonic)
+
+    async def place(self, live: list[ExecutorState], namespace: str, ids: list[int],
+                    cached: dict[str, int] | None = None) -> ExecutorState: ...
+
+    async def fail(self, t: Tracked, code: int, kind: str, message: str, abort: bool = False) -> None: ...
 
 
 class Recovery:
-    def __init__(self, sched: SchedulerService):
+    def __init__(self, sched: Scheduler):
         self.sched = sched
         self.retried_total = 0      # requests moved off a dead executor before their first token
         self.replayed_total = 0     # output tokens fetched again after a lost output

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 
 import msgspec
 
@@ -31,6 +30,7 @@ from radixflow.shared.messages import (AbortRequest, Accepted, ChatOptions, Cons
 from radixflow.shared.validate import check_request
 
 from .detok import Detokenizer
+from .executors import ExecutorState
 from .output import OutputPath
 from .programs import ProgramDriver
 from .recovery import Recovery
@@ -43,14 +43,6 @@ from .table import RequestTable, Tracked, incremental, namespace_of
 from .tenants import RETRY_AFTER_S, TenantLedger, Ticket
 
 ENDED_KEEP_S = 2.0    # a request whose terminal item was sent this recently still counts as known (LiveQuery)
-
-
-@dataclass
-class ExecutorState:
-    instance: str
-    last_seen: float
-    info: ExecutorInfo
-    inflight: int = 0
 
 
 class SchedulerService(OutputPath, Actor):

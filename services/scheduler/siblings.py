@@ -12,12 +12,19 @@ children are then aborted.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from radixflow.shared.messages import StreamChunk, StreamError
 
-if TYPE_CHECKING:
-    from .service import SchedulerService
+
+class Scheduler(Protocol):
+    """What a group needs of its scheduler (SchedulerService, service.py)."""
+    siblings: dict[str, Siblings]
+
+    async def abort_rids(self, rids: list[str]) -> None: ...
+
+    async def publish_stream(self, subject: str, rid: str, item: StreamChunk | StreamError, as_json: bool,
+                             batch: str = "") -> bool: ...
 
 
 def child_rid(rid: str, index: int) -> str:
@@ -25,7 +32,7 @@ def child_rid(rid: str, index: int) -> str:
 
 
 class Siblings:
-    def __init__(self, sched: "SchedulerService", rid: str, subject: str, n: int, as_json: bool = False,
+    def __init__(self, sched: Scheduler, rid: str, subject: str, n: int, as_json: bool = False,
                  needs_parent: bool = False, batch: str = ""):
         self.sched, self.rid, self.subject, self.n, self.json = sched, rid, subject, n, as_json
         self.batch = batch                       # the reader's StreamBatch subject ("": item by item)
