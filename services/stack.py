@@ -79,8 +79,7 @@ class Stack:
     async def start(self) -> "Stack":
         # Starting allocates ~10^6 objects that live as long as the process (the modules of torch,
         # transformers and the rest, the model, the tokenizer), and the collector's automatic full
-        # collections walked them all again each time they had grown by a quarter: five of them,
-        # 1.1 s in all (`radixflow up` healthy after 9.3-9.4 s, now 8.3-8.5). Off while the
+        # collections would walk them all again each time they grew by a quarter. Off while the
         # services start; the one collection below frees what starting left behind.
         collecting = gc.isenabled()
         gc.disable()
@@ -95,17 +94,14 @@ class Stack:
         finally:
             if collecting:
                 gc.enable()
-        # What startup made (torch's and transformers' modules, the model, the tokenizer: ~10^6
-        # objects) lives as long as the process: out of the collector's sight, a full collection
-        # walks only what serving made since. Before, one took 163 ms, and it fell inside a burst
-        # of requests (measured under bench shared-prefix, tiny-dense: one in every fourth run).
+        # What startup made lives as long as the process: out of the collector's sight, a full
+        # collection walks only what serving made since, not a pause inside a burst of requests.
         gc.collect()
         gc.freeze()
         # Serving's young objects include token-id lists of thousands of items (a prompt's, at each
-        # hop and in each message), which a young-generation collection walks item by item: at
-        # Python's default of one every 700 allocations, an agent fan-out of 40 prompts of 3,100
-        # tokens met ~17 young and 1-2 middle collections, 9-17 ms with the GIL held (the event loop
-        # and the compute thread's step both wait). At 20,000 it meets about one. Cycles are still
+        # hop and in each message), which a young-generation collection walks item by item with the
+        # GIL held (the event loop and the compute thread's step both wait): at Python's default
+        # threshold an agent's fan-out meets many; at GC_YOUNG_THRESHOLD about one. Cycles are still
         # collected, only less often; the objects in between are a few MB.
         _gc_serving(+1)
         self._serving = True

@@ -91,7 +91,7 @@ class SchedulerConfig:
     local_detokenize: bool = True     # decode outputs in process when the model's tokenizer is readable here
     routing: str = "cache_aware"      # cache_aware | round_robin | cache_first (scheduler/routing.py)
     route_load_tokens: int = 128      # cache_aware: a request in flight weighs like this many tokens to prefill
-                                      # (bench routing: 128 computed each preamble once at even load; 256 twice as often)
+                                      # (more sends a hot preamble's requests to more executors, each computing it)
     stall_check_s: float = 5.0        # a request silent this long: ask its executor whether it still runs it
                                       # (an output lost to a NATS reconnect ends it with a clear error)
     max_resamples: int = 3            # structured output: a finished output that fails its check is
@@ -127,8 +127,8 @@ class ServiceConfig:
     SECTION = "SERVICE"
     concurrency: int = 64             # in-flight handlers per actor
     alive_file: str = ""              # touched at every heartbeat sent: `radixflow alive FILE` is a health check
-    # Every wakeup of the event loop steals a core from the model's threads (measured: 0.5 s beats
-    # slowed a 3,000-token prefill by ~20% in one process), so beats are slow and timeouts 3.5 beats.
+    # Every wakeup of the event loop steals a core from the model's threads, so beats are slow and
+    # timeouts 3.5 beats.
     heartbeat_s: float = 1.0
     drain_timeout_s: float = 30.0
     max_mailbox: int = 10_000         # requests waiting for a handler; past it they get a 429 at once

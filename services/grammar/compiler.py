@@ -11,7 +11,7 @@
       -> cache (engine, enforcement)
 
 A stuck compile holds one worker; the others keep serving. A killed worker is replaced in the
-background (a fresh process needs ~3 s to import the engines and build their tokenizer state).
+background (a fresh process takes seconds to import the engines and build their tokenizer state).
 """
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ class Compiler:
 
     async def start(self, wait_workers: bool = True) -> None:
         """Load the tokenizer identity and start the workers. With wait_workers=False the workers
-        come up in the background (~3 s: a process importing both engines and building their
+        come up in the background (seconds: a process importing both engines and building their
         tokenizer state) and early compiles wait for the first one; a bad model path still fails
         here, on the identity."""
         loop = asyncio.get_running_loop()

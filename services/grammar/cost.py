@@ -8,18 +8,10 @@ before it starts when this model predicts it over AUTO_MAX_PREDICTED_S.
 The model: xgrammar builds a token-mask cache for every position of every rule, so its time grows
 with the printed grammar (EBNF characters) and, much faster, with each `Regex(...)` rule (a JSON
 Schema `pattern`: its automaton's states each walk the vocabulary trie); both grow with the
-vocabulary. Fitted on the 406-schema real-world corpus (tests/structured/compile_corpus.py), on 2
-cores, time of the whole job (compile, serialize, compress):
-
-    vocabulary    seconds per EBNF character    seconds per Regex rule
-    8,192         2.4e-5                        0.085
-    248,320       3.9e-5                        0.22
-                  (x (V / 8192) ** 0.14)         (x (V / 8192) ** 0.28)
-
-At AUTO_MAX_PREDICTED_S = 0.4 it refused none of the schemas xgrammar compiled in over 1 s, with
-either vocabulary, and 49 (8k) / 15 (248k) of the ~270 it compiled within 0.5 s (which then get
-llguidance). The model is coarse (some patterns expand into many more states than others): the
-budget stays as the backstop.
+vocabulary. The coefficients below are fitted on the real-world corpus
+(tests/structured/compile_corpus.py), timing the whole job (compile, serialize, compress). The
+model is coarse (some patterns expand into many more states than others): the budget stays as the
+backstop.
 """
 from __future__ import annotations
 

@@ -51,8 +51,8 @@ class RadixAdopt(Msg):
 class Candidate(Msg):
     """A waiting request the executor would like to start. A candidate the pool deferred in the
     previous step comes back without its prompt (`known`): the pool kept it. An agent's burst
-    waits some steps for its preamble, and re-sending forty 3,100-token prompts at every step was
-    most of the bytes of the exchange (685 KB a run), encoded on the compute thread."""
+    waits some steps for its preamble, and re-sending its long prompts at every step would be most
+    of the bytes of the exchange, encoded on the compute thread."""
     rid: str
     namespace: str
     token_ids: list[int]

@@ -8,7 +8,7 @@ import msgspec
 from .base import Msg
 
 # A token id, checked (>= 0, an int, not a bool) by msgspec in C as a message is decoded: the services
-# need not scan a 3,000-token prompt again in Python (each such scan is ~30 us, several per request)
+# need not scan a long prompt again in Python, several times per request
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
 
 

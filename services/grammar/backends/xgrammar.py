@@ -1,10 +1,9 @@
 """xgrammar: compiles ahead of time. The compiled grammar carries a token-mask cache for every
 grammar state, so masks are cheap during decoding, but the blob grows with the grammar (quadratic
-in the printed grammar's size: 12 KB of EBNF -> 0.7 MB, 66 KB -> 22 MB, 220 KB -> 240 MB, measured
-on schemas whose $refs form a cycle), and serializing it is what takes the time.
+in the printed grammar's size), and serializing it is what takes the time.
 
-The blob is zlib(CompiledGrammar.serialize_json()) as before this module existed: executors and the
-structured benchmark deserialize it against their own TokenizerInfo.
+The blob is zlib(CompiledGrammar.serialize_json()): executors and the structured benchmark
+deserialize it against their own TokenizerInfo.
 """
 from __future__ import annotations
 
