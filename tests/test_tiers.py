@@ -234,3 +234,56 @@ async def test_tiers_served_and_reported(models):
         assert tiers["host_pages_used"] > 0 and tiers["disk_pages_total"] == 0 and tiers["loaded_tokens_total"] > 0
     finally:
         await stacks.stop(st)
+
+
+def _settled(eng: Engine) -> None:
+    import time
+    deadline = time.monotonic() + 60
+    while eng.tiers.prefetcher.pending() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-hybrid"])
+def test_pages_on_disk_are_read_ahead_of_admission_off_the_compute_thread(models, tmp_path, preset):
+    """A request whose preamble went down to disk: while it waits (the engine has not stepped), the
+    prefetch thread reads its page files (and hybrid states) into the host tier, so its admission loads
+    from host memory and reads no file; a corrupt file met there is dropped and its tokens computed.
+    The answers equal those of an engine without tiers."""
+    from radixflow.services.executor.tiers import chain
+    disk = tmp_path / "kv"
+    eng = _engine(models[preset], host=24, disk=str(disk), disk_pages=512)
+    # hybrid: the second round asks for checkpoints where the tiers' pages end (known_boundary)
+    _run(eng, _cycling(rounds=1 if preset == "tiny-dense" else 2))
+    _run(eng, [(f"push{i}", _tokens(50 + i, 170), "default") for i in range(4)])   # preambles down to disk
+    key = chain(eng.tiers.root, list(b"default"))
+    for i in range(5):
+        key = chain(key, PREAMBLES[1][i * PAGE:(i + 1) * PAGE])
+    bad = disk / (key.hex() + ".kv")                                             # preamble 1's fifth page
+    raw = bytearray(bad.read_bytes())
+    raw[-3] ^= 0xFF
+    bad.write_bytes(bytes(raw))
+    before = eng.stats()
+    again = [(f"again{i}", p + _tokens(88, 20), "default") for i, p in enumerate(PREAMBLES[:2])]
+    got = {}
+    for rid, ids, ns in again:
+        eng.add(ExecRequest(rid=rid, input_ids=ids, eos_token_ids=[], namespace=ns,
+                            sampling=SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)))
+        _settled(eng)                          # what the wait before admission lets the thread do
+        toks, cached = [], 0
+        while eng.has_work():
+            for _, o in eng.step():
+                toks += o.token_ids
+                cached = max(cached, o.cached_tokens)
+        got[rid] = (toks, cached)
+    st = eng.stats()
+    want = _run(_engine(models[preset]), again)
+    assert [v[0] for v in got.values()] == [v[0] for v in want.values()]
+    assert st["tier_disk_read_at_admission_pages_total"] == before["tier_disk_read_at_admission_pages_total"]
+    assert st["tier_prefetched_pages_total"] - before["tier_prefetched_pages_total"] >= 10 + 4
+    assert st["tier_disk_corrupt_total"] == 1 and not bad.exists()
+    assert got["again1"][1] <= 4 * PAGE                   # loaded at most up to the bad page
+    if preset == "tiny-dense":
+        assert got["again0"][1] >= 10 * PAGE and got["again1"][1] == 4 * PAGE
+        assert st["tier_disk_hit_pages_total"] - before["tier_disk_hit_pages_total"] >= 14
+    else:
+        assert st["tier_prefetched_states_total"] > before["tier_prefetched_states_total"] and got["again0"][1] > 0

@@ -179,6 +179,8 @@ class Engine(RadixExchange):
             self._new.append(seq)
             self._last_arrival = seq.arrived = time.monotonic()
             self._expect = max(self._expect - 1, req.burst)
+        if self.tiers is not None:
+            self.tiers.prefetch(seq)        # its pages on disk come up to host memory while it waits
 
     def abort(self, rids: list[str], discard: bool = False) -> None:
         """Stop requests; with discard (a cancelled program branch) nothing more of them is cached."""

@@ -57,22 +57,38 @@ class Disk:
         os.replace(tmp, self._path(name))          # a reader never sees half a file under its name
         self.index[name] = None
 
-    def get(self, name: bytes, size: int) -> bytes | None:
-        """The payload, or None (absent; or missing, short or failing its checksum: then dropped)."""
-        if name not in self.index:
-            return None
+    def read(self, name: bytes, size: int) -> bytes | None:
+        """The payload of an indexed file, or None (missing, short or failing its checksum). Touches
+        nothing but the file: the prefetch thread reads with it outside the tiers' lock."""
         try:
             raw = self._path(name).read_bytes()
         except OSError:
-            raw = b""
+            return None
         head = len(_MAGIC) + _SUM
         payload = raw[head:]
         if (len(raw) != head + size or raw[:len(_MAGIC)] != _MAGIC
                 or hashlib.blake2b(payload, digest_size=_SUM).digest() != raw[len(_MAGIC):head]):
+            return None
+        return payload
+
+    def bad(self, name: bytes) -> None:
+        """A file that failed to read: counted and dropped (its tokens are computed again)."""
+        if name in self.index:
             self.corrupt += 1
             self._drop(name)
-            return None
+
+    def touch(self, name: bytes) -> None:
         self.index.move_to_end(name)
+
+    def get(self, name: bytes, size: int) -> bytes | None:
+        """The payload, or None (absent; or missing, short or failing its checksum: then dropped)."""
+        if name not in self.index:
+            return None
+        payload = self.read(name, size)
+        if payload is None:
+            self.bad(name)
+            return None
+        self.touch(name)
         return payload
 
     def __contains__(self, name: bytes) -> bool:

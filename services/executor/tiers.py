@@ -16,6 +16,10 @@ every tier as in the device pool. A state checkpoint at a page boundary is named
     device pool ──(granted again: save)──> host tier (LRU, `host_pages`) ──(full)──> disk tier (LRU, files)
     a request's fresh pages <──(admitted: load the longest run of keys after its device match)──┘
 
+With a disk tier, a request's pages on disk are read into the host tier ahead of its admission by a
+thread of its own (prefetch.py), so the load at admission is a copy from host memory; what the
+prefetch did not bring in time is read there. A lock keeps the two threads' tier bookkeeping apart.
+
 Loading is all or nothing per page, in order, and stops at the first page no tier has (or whose disk
 file is missing, truncated or fails its checksum: the file is dropped and the tokens are computed).
 A hybrid request loads up to the deepest page boundary that has its state in a tier; a checkpoint
@@ -26,12 +30,14 @@ Loaded pages are the request's own fresh pages: its progress puts them in the ra
 from __future__ import annotations
 
 import hashlib
+import threading
 from array import array
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from .prefetch import Prefetcher
 from .tier_stores import Disk, Host
 
 if TYPE_CHECKING:
@@ -100,9 +106,16 @@ class KVTiers:
         self.disk = Disk(disk_dir, disk_pages) if disk_dir else None
         self.page_key: dict[int, bytes] = {}      # device page -> key of the KV it holds (whole pages only)
         self.slot_key: dict[int, bytes] = {}      # state slot -> key of the checkpoint it holds
+        # host entries the prefetch brought up from disk and no load has used yet: a load that finds
+        # one counts a disk hit, as if it had read the file itself
+        self._prefetched: set[bytes] = set()
+        self._lock = threading.RLock()            # the compute thread's saves and loads vs the prefetch thread
+        self.prefetcher = Prefetcher(self.fetch) if self.disk is not None else None
         self.counters = {"tier_saved_pages_total": 0, "tier_saved_states_total": 0, "tier_host_hit_pages_total": 0,
                          "tier_disk_hit_pages_total": 0, "tier_looked_up_pages_total": 0,
-                         "tier_loaded_tokens_total": 0, "tier_spilled_pages_total": 0}
+                         "tier_loaded_tokens_total": 0, "tier_spilled_pages_total": 0,
+                         "tier_prefetched_pages_total": 0, "tier_prefetched_states_total": 0,
+                         "tier_disk_read_at_admission_pages_total": 0}
 
     # ------------------------------------------------------------ keys
 
@@ -134,10 +147,38 @@ class KVTiers:
         if pos > 0 and pos % self.ps == 0:
             self.slot_key[slot] = self.keys(seq, pos // self.ps)[-1]
 
-    # ------------------------------------------------------------ saving (before a grant overwrites)
+    # ------------------------------------------------------------ the compute thread's entry points (locked)
 
     def reused(self, pages: list[int], slots: list[int] = ()) -> None:
         """These pages and slots were just granted: what they held is saved to the host tier first."""
+        with self._lock:
+            self._reused(pages, slots)
+
+    def load(self, seq: "Sequence") -> int:
+        """Just admitted: the pages after its device match that a tier has go into its fresh pages;
+        returns the tokens loaded (computed_len moves past them)."""
+        if self.prefetcher is not None:
+            self.prefetcher.settle(seq.rid)          # outside the lock: the prefetch commits under it
+        with self._lock:
+            return self._load(seq)
+
+    def known_boundary(self, seq: "Sequence") -> int:
+        with self._lock:
+            return self._known_boundary(seq)
+
+    def put(self, namespace: str, tokens: list[int], first: int, k: torch.Tensor, v: torch.Tensor,
+            state: list[torch.Tensor] = ()) -> int:
+        with self._lock:
+            return self._put(namespace, tokens, first, k, v, state)
+
+    def prefetch(self, seq: "Sequence") -> None:
+        """seq just arrived: its prompt's pages on disk are read into the host tier meanwhile."""
+        if self.prefetcher is not None and self.host.capacity > 1:
+            self.prefetcher.submit(seq.rid, seq.namespace, seq.tokens[:seq.prompt_len])
+
+    # ------------------------------------------------------------ saving (before a grant overwrites)
+
+    def _reused(self, pages: list[int], slots: list[int] = ()) -> None:
         save, seen = [], set()
         for p in pages:
             k = self.page_key.pop(p, None)
@@ -171,6 +212,7 @@ class KVTiers:
             self.counters["tier_saved_states_total"] += 1
 
     def _spill_page(self, key: bytes, slot: int) -> None:
+        self._prefetched.discard(key)
         if self.disk is not None:
             self.disk.put(key + b".kv", self.host.pack(slot))
             self.counters["tier_spilled_pages_total"] += 1
@@ -199,9 +241,7 @@ class KVTiers:
         slot = self.host_states.get(key)
         return slot if slot is not None else self._from_disk(self.host_states, key, b".kvs", self._spill_state)
 
-    def load(self, seq: "Sequence") -> int:
-        """Just admitted: the pages after its device match that a tier has go into its fresh pages;
-        returns the tokens loaded (computed_len moves past them)."""
+    def _load(self, seq: "Sequence") -> int:
         start = seq.computed_len
         if start % self.ps or self.host.capacity <= 0:
             return 0
@@ -217,12 +257,15 @@ class KVTiers:
             self.counters["tier_looked_up_pages_total"] += 1
             slot = self.host.get(ks[i])
             if slot is not None:
-                self.counters["tier_host_hit_pages_total"] += 1
+                prefetched = ks[i] in self._prefetched
+                self._prefetched.discard(ks[i])
+                self.counters["tier_disk_hit_pages_total" if prefetched else "tier_host_hit_pages_total"] += 1
             else:
                 slot = self._page_from_disk(ks[i])
                 if slot is None:
                     break
                 self.counters["tier_disk_hit_pages_total"] += 1
+                self.counters["tier_disk_read_at_admission_pages_total"] += 1
             found.append(slot)
         n = len(found)
         state_slot = None
@@ -273,7 +316,49 @@ class KVTiers:
             self.slot_key[dst] = ks[first + j - 1]
         return best, best_slot
 
-    def known_boundary(self, seq: "Sequence") -> int:
+    def fetch(self, namespace: str, tokens: list[int]) -> int:
+        """The prefetch thread: the run of the prompt's pages (and hybrid states) that the disk tier
+        has, read into the host tier, at most half of it (one request does not flush the others'
+        pages). Pages before the run are taken to be on the device; the run ends at the first page no
+        tier has. The files are read and checked outside the lock; returns the pages brought up."""
+        last = (len(tokens) - 1) // self.ps
+        ks = _Keys(self.root, namespace, tokens).upto(last, self.ps)
+        budget, brought, seen = self.host.capacity // 2, 0, False
+        for key in ks:
+            with self._lock:
+                have = self.host.index.get(key) is not None
+                on_disk = not have and key + b".kv" in self.disk
+            if not have and not on_disk:
+                if seen:
+                    break
+                continue
+            seen = True
+            if on_disk:
+                if brought >= budget or not self._fetch_one(self.host, key, b".kv", self._spill_page):
+                    break
+                brought += 1
+                self.counters["tier_prefetched_pages_total"] += 1
+            if self.state is not None and self.host_states.capacity:
+                with self._lock:
+                    want = self.host_states.index.get(key) is None and key + b".kvs" in self.disk
+                if want and self._fetch_one(self.host_states, key, b".kvs", self._spill_state):
+                    self.counters["tier_prefetched_states_total"] += 1
+        return brought
+
+    def _fetch_one(self, store: Host, key: bytes, suffix: bytes, spill) -> bool:
+        raw = self.disk.read(key + suffix, store.entry_bytes)
+        with self._lock:
+            if raw is None:
+                self.disk.bad(key + suffix)     # unless a spill's LRU dropped it meanwhile
+                return False
+            if store.index.get(key) is None and key + suffix in self.disk:
+                store.unpack(store.slot_for(key, spill), raw)
+                self.disk.touch(key + suffix)
+                if store is self.host:
+                    self._prefetched.add(key)
+        return True
+
+    def _known_boundary(self, seq: "Sequence") -> int:
         """Hybrid: the end of the run of seq's prompt pages a tier holds, when no state there is held
         (0 otherwise). A checkpoint asked for there (Candidate.checkpoint_at) puts a state where the
         tier's pages end, so that the next request over them loads them with it, as radix plans a
@@ -296,7 +381,7 @@ class KVTiers:
         """One page's K (or V): [attention layers, page_size, kv heads, head_dim]."""
         return tuple(self.host.store[0].shape[1:])
 
-    def put(self, namespace: str, tokens: list[int], first: int, k: torch.Tensor, v: torch.Tensor,
+    def _put(self, namespace: str, tokens: list[int], first: int, k: torch.Tensor, v: torch.Tensor,
             state: list[torch.Tensor] = ()) -> int:
         """Pages first .. of the prompt `tokens` in `namespace` (K and V as export gives them) into the
         host tier, and a hybrid state after the last of them; returns the pages stored."""
@@ -328,6 +413,10 @@ class KVTiers:
     # ------------------------------------------------------------ reporting
 
     def stats(self) -> dict[str, int]:
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict[str, int]:
         looked = self.counters["tier_looked_up_pages_total"]
         hits = self.counters["tier_host_hit_pages_total"] + self.counters["tier_disk_hit_pages_total"]
         return dict(self.counters) | {
