@@ -197,9 +197,7 @@ class Batcher:
             # bounded step per token, not a whole prompt's prefill
             budget = max(min(self.mixed_chunk_tokens, budget) - len(decoding), 1)
             # the last chunk takes up to an eighth more rather than leave a remainder of a few
-            # tokens to a step of its own: an agent's 38 siblings (4,104 tokens) beside one
-            # decoding sibling went as 2,048 + 2,048 + 66, and the third step cost a whole step's
-            # fixed costs (12-16 ms) for 66 tokens
+            # tokens to a step of its own, which would pay a whole step's fixed costs
             pending = sum(s.prefill_len - s.computed_len for s in self.running if s.computed_len < s.prefill_len)
             if pending <= budget + budget // 8:
                 budget = pending

@@ -30,8 +30,8 @@ from .runner import ModelRunner
 from .sampler import has_penalties
 from .sequence import Sequence, Status
 from .spelling import Speller
-from .tiers import KVTiers, export_pages, model_identity
-from .transfer import unpack
+from .tiers import KVTiers, model_identity
+from .transfer import export_pages, unpack
 
 __all__ = ["Engine", "EngineConfig"]     # EngineConfig lives in engine_config.py
 
@@ -249,9 +249,8 @@ class Engine(RadixExchange):
         # Overlap, except right after a prefill step that computed what deferred candidates wait
         # for (an agent's siblings wait for the first one's preamble): its progress reaches radix
         # with this exchange, and overlapped, the siblings' grants would join only the step after
-        # this one, which would decode the first request alone (a whole step, and on the served
-        # path the exchange outlasted it by ~6 ms). Waiting for the answer instead costs one round
-        # trip, once per such prefill.
+        # this one, which would decode the first request alone (a whole step). Waiting for the
+        # answer instead costs one round trip, once per such prefill.
         wait = self._shared_wait and bool(self.batcher.progress)
         self._shared_wait = False      # once: an exchange that fails (radix down) does not renew it
         if self.cfg.overlap and self.batcher.running and not wait:
@@ -404,7 +403,7 @@ class Engine(RadixExchange):
             if not (seq.quiet and seq.reported):
                 # a quiet request's tokens after its first wait for its end (_finish sends every
                 # token not reported): a message per token per request is most of what the
-                # service path costs a non-streamed batch (+20% tok/s at batch 16 without them)
+                # service path costs a non-streamed batch
                 outs.append(self._output(seq, new))
         if copies:
             state.copy_many(copies)
@@ -426,8 +425,8 @@ class Engine(RadixExchange):
     # agree (a trained model mostly spells forced text as its tokenizer does; the random-weight
     # test checkpoints about half the time). Its row is sampled over the tokens its mask allows,
     # skipping the LM head, so on the CPU it costs about (1 - the head's share) of a full row, and
-    # pays when kept more often than that (at the 8k test vocabulary the head is ~40% of a row;
-    # at Qwen3.5's 248k, ~95%). On an accelerator a decode step's rows are nearly free. The keep
+    # pays when kept more often than that (the bigger the vocabulary, the more often it pays). On
+    # an accelerator a decode step's rows are nearly free. The keep
     # rate is measured as the engine runs; while it does not pay, one step in AUTO_PROBE still
     # drafts them, so that the estimate follows the workload.
     AUTO_PROBE = 16

@@ -38,9 +38,8 @@ class EngineConfig:
     burst_gap_s: float = 0.002
     burst_wait_s: float = 0.05
     # ... unless what has arrived is this many prompt tokens already: a step that size is as cheap
-    # per token as a bigger one, and waiting only delays it. On the served agent workload the first
-    # request reached the executor ~45 ms after the burst began and the last ~10 ms later (each
-    # stage of the path handles the whole burst before the next one sees its first request); an
+    # per token as a bigger one, and waiting only delays it (each stage of the served path handles
+    # a whole burst before the next sees its first request, so a burst arrives spread out); an
     # agent's siblings wait for the first one's preamble anyway. 0: always wait
     burst_enough_tokens: int = 2048
     # structured output: draft the tokens of text the grammar forces and verify them in the next

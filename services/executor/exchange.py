@@ -5,30 +5,51 @@ the step computes and its answer read after. When the authority is down or slow 
 goes out again with the next, and waiting requests fail after radix_wait_s; when it restarted
 and forgot this pool, what running requests hold is registered with it again (_rejoin).
 
-A mixin of Engine (engine.py), which owns the batcher, the page authority and the live table.
+A mixin of Engine (engine.py), which owns the batcher, the page authority and the live table;
+what it uses of its host is annotated on the class.
 """
 from __future__ import annotations
 
+import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import msgspec
 
 from radixflow.shared import log
 from radixflow.shared.errors import NotFound, RadixflowError, RequestTimeout, ServiceUnavailable
-from radixflow.shared.messages import HeldPages, RadixStep, SeqOutput
+from radixflow.shared.histogram import Histogram
+from radixflow.shared.messages import HeldPages, RadixRegister, RadixStep, SeqOutput
 
-from .sequence import Status
-
-if TYPE_CHECKING:
-    from .engine import Engine as _Base
-else:
-    _Base = object
+from .batcher import Batcher
+from .engine_config import EngineConfig
+from .pages import PageAuthority
+from .sequence import Sequence, Status
+from .tiers import KVTiers
 
 _log = log.get("executor")
 
 
-class RadixExchange(_Base):
+class RadixExchange:
+    # the host's (Engine)
+    cfg: EngineConfig
+    batcher: Batcher
+    pages: PageAuthority
+    tiers: KVTiers | None
+    page_size: int
+    counters: dict[str, int]
+    queue_seconds: Histogram
+    preempted: int
+    _lock: threading.Lock
+    _live: dict[str, Sequence]
+    _register: RadixRegister
+    _error: Callable[[Sequence, int, str], tuple[str, SeqOutput]]
+    # this exchange's own, set up by the host: a sync asked for (Engine.sync), since when radix has
+    # not answered, and whether the last reply deferred candidates for a page being computed
+    _sync: bool
+    _radix_down_since: float
+    _shared_wait: bool
+
     def _exchange(self) -> list[tuple[str, SeqOutput]]:
         pending = self._send()
         return self._receive(*pending) if pending else []

@@ -25,7 +25,7 @@ from .sequence import Sequence
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1), the same index (the first of equal maxima; NaN counts as the largest), by
-    max(dim): on a CPU about 3x faster (a [40, 8192] fp32 row block 82 vs 244 us, bf16 2.5x more)."""
+    max(dim), which is faster on a CPU than argmax."""
     return x.max(dim=-1).indices
 
 

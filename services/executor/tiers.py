@@ -56,22 +56,6 @@ def model_identity(model: str, kv: "KVPool", page_size: int) -> str:
     return f"{config}|{files}|{dtype}|{page_size}"
 
 
-def export_pages(kv: "KVPool", state: "StatePool | None", seq: "Sequence", pages: int,
-                 first: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """seq's pages first .. pages - 1 as host copies (K and V, [pages - first, attention layers,
-    page_size, kv heads, head_dim]) and, on a hybrid model, its state after them (from the checkpoint
-    slot planned there; empty if none): what a prefill executor moves to a decode executor (KVPages)."""
-    ps = kv.page_size
-    idx = torch.tensor(seq.pages[first:pages], dtype=torch.int64, device=kv.k[0].device)
-    k = torch.stack([t.view(-1, ps, *t.shape[1:]).index_select(0, idx) for t in kv.k], 1).cpu()
-    v = torch.stack([t.view(-1, ps, *t.shape[1:]).index_select(0, idx) for t in kv.v], 1).cpu()
-    out = []
-    slot = seq.checkpoints.get(pages * ps) if state is not None else None
-    if slot is not None:
-        out = [t[slot].cpu().clone() for t in state.recurrent + state.conv]
-    return k, v, out
-
-
 def chain(prev: bytes, tokens: list[int]) -> bytes:
     """The key of a page: its predecessor's key and its tokens."""
     return hashlib.blake2b(prev + array("q", tokens).tobytes(), digest_size=16).digest()

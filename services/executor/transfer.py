@@ -6,6 +6,7 @@ there next, finds them as it finds any evicted prefix (tiers.py)."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,10 +14,29 @@ from radixflow.shared.errors import BadRequest
 from radixflow.shared.messages import KVPages
 
 from .memory import dtype_bytes
-
 from .tier_stores import raw_bytes
 
+if TYPE_CHECKING:
+    from .memory import KVPool, StatePool
+    from .sequence import Sequence
+
 MAX_BYTES = 768 * 1024
+
+
+def export_pages(kv: "KVPool", state: "StatePool | None", seq: "Sequence", pages: int,
+                 first: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """seq's pages first .. pages - 1 as host copies (K and V, [pages - first, attention layers,
+    page_size, kv heads, head_dim]) and, on a hybrid model, its state after them (from the checkpoint
+    slot planned there; empty if none): what a prefill executor moves to a decode executor (KVPages)."""
+    ps = kv.page_size
+    idx = torch.tensor(seq.pages[first:pages], dtype=torch.int64, device=kv.k[0].device)
+    k = torch.stack([t.view(-1, ps, *t.shape[1:]).index_select(0, idx) for t in kv.k], 1).cpu()
+    v = torch.stack([t.view(-1, ps, *t.shape[1:]).index_select(0, idx) for t in kv.v], 1).cpu()
+    out = []
+    slot = seq.checkpoints.get(pages * ps) if state is not None else None
+    if slot is not None:
+        out = [t[slot].cpu().clone() for t in state.recurrent + state.conv]
+    return k, v, out
 
 
 def parts(export: tuple, max_bytes: int = MAX_BYTES) -> list[KVPages]:
