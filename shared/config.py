@@ -60,7 +60,7 @@ class ExecutorConfig:
     burst_gap_s: float = 0.002        # admission waits while requests keep arriving this close together
     burst_wait_s: float = 0.05        # ... but never longer than this (0 and 0: admit at once)
     burst_enough_tokens: int = 2048   # ... and not once this many prompt tokens have arrived (0: always)
-    jump_forward: int = 0             # structured output: draft tokens verified per step (0: off; README)
+    jump_forward: int = 0             # structured output: draft tokens verified per step (0: off; docs/structured.md)
     jump_forward_policy: str = "auto"  # ... of every forced token ("all"), only "certain" ones (the only token
                                        # allowed), or "auto": the others too while they pay (engine.py)
     forced_spelling: str = "tokenizer"  # ... text the grammar forces: any spelling ("model") or the tokenizer's
