@@ -28,7 +28,7 @@ from .elementwise import reference as _ew
 from .interpreter import interpreting
 from .linear import reference as _linear
 
-__all__ = ["Kernels", "CHOICES", "cpu_kernels", "pick", "reference", "triton_kernels"]
+__all__ = ["Kernels", "CHOICES", "cpu_kernels", "interpreting", "pick", "reference", "triton_kernels"]
 
 CHOICES = ("auto", "torch", "cpu", "triton")
 

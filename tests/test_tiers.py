@@ -210,7 +210,7 @@ def test_disk_files_outlive_the_engine(models, tmp_path):
 async def test_tiers_served_and_reported(models):
     """Through the stack (`radixflow up --kv-host-pages`): later rounds of the cycling preambles come
     back from the host tier (meta_info.cached_tokens counts them), and /metrics and /v1/memory report
-    each tier's occupancy and hit rate."""
+    each tier's occupancy and hit rate; radix's placement counts what the tier holds."""
     from . import stacks
     from .test_radix_e2e import metrics
     st = await stacks.start(models["tiny-dense"], ex_max_total_tokens=512, ex_kv_host_pages=256,
@@ -232,6 +232,20 @@ async def test_tiers_served_and_reported(models):
             mem = await r.json()
         tiers = mem["executors"][0]["tiers"]
         assert tiers["host_pages_used"] > 0 and tiers["disk_pages_total"] == 0 and tiers["loaded_tokens_total"] > 0
+        # radix learned what the host tier holds over the bus: its placement answer counts it, and is
+        # what the request then gets
+        from radixflow.shared import subjects
+        from radixflow.shared.messages import RadixPlace, RadixPlaceReply
+        (pool_id, pool), = st.actors["radix"].pools.items()
+        ns = next(iter(pool.tree.roots))
+        ids = PREAMBLES[0] + _tokens(4242, 20)
+        place = await st.actors["scheduler"].bus.request(
+            subjects.RADIX_PLACE, RadixPlace(namespace=ns, token_ids=ids, pools=[pool_id]), RadixPlaceReply)
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+        async with st.http.post(st.base + "/generate", json=body) as r:
+            out = await r.json()
+        assert place.tier_tokens[pool_id] >= 144 and place.cached_tokens[pool_id] == out["meta_info"]["cached_tokens"]
+        assert m["radixflow_tier_pages_known"] > 0
     finally:
         await stacks.stop(st)
 
@@ -287,3 +301,51 @@ def test_pages_on_disk_are_read_ahead_of_admission_off_the_compute_thread(models
         assert st["tier_disk_hit_pages_total"] - before["tier_disk_hit_pages_total"] >= 14
     else:
         assert st["tier_prefetched_states_total"] > before["tier_prefetched_states_total"] and got["again0"][1] > 0
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-hybrid"])
+def test_radix_knows_what_the_tiers_hold_and_places_by_it(models, preset):
+    """The executor reports the keys its tiers gain and lose with its RadixStep; the radix pool's
+    placement (RadixPlace) then counts what a prompt would load from the tiers after its device match,
+    and that is what the request gets. Nothing crosses a namespace; a radix that forgot (a restart)
+    is told everything again."""
+    eng = _engine(models[preset], host=64)
+    _run(eng, _cycling(rounds=1 if preset == "tiny-dense" else 2))
+    pool = eng.pages.pool
+    st = eng.stats()
+    assert pool.stats()["tier_pages_known"] == st["tier_host_pages_used"] > 0
+    tiered = 0
+    for i, p in enumerate(PREAMBLES):
+        ids = p + _tokens(999 + i, 20)
+        dev, tier = pool.placement("default", ids)
+        assert pool.placement("elsewhere", ids) == (0, 0)
+        got = _run(eng, [(f"q{i}", ids, "default")])
+        assert got[f"q{i}"][2] == dev + tier, (i, dev, tier)
+        tiered += tier
+    assert tiered >= 2 * 9 * PAGE                  # at least two preambles came back from the host tier
+    eng.pages.register(eng._register)              # a radix that knows nothing of this pool
+    eng.tiers.report_all()
+    while eng.has_work():
+        eng.step()
+    assert eng.pages.pool.stats()["tier_pages_known"] == eng.stats()["tier_host_pages_used"]
+
+
+def test_tier_index_counts_the_run_a_load_would_take():
+    """TierIndex (radix): a dense prompt loads the run of its pages the tiers hold from its device
+    match on, never its last token's page; a hybrid one only up to the deepest page whose state a
+    tier holds; dropped keys count no more."""
+    from radixflow.services.radix.tiered import TierIndex
+    from radixflow.shared.messages import RadixStep
+    from radixflow.shared.page_keys import PageKeys
+    root, ids = b"r" * 16, _tokens(5, 6 * PAGE + 3)
+    ks = PageKeys(root, "ns", ids, PAGE).upto(6)
+    dense, hybrid = TierIndex(root, PAGE, False), TierIndex(root, PAGE, True)
+    for t in (dense, hybrid):
+        t.apply(RadixStep(pool="p", budget=0, max_admit=0, tier_pages_added=ks[1:6], tier_states_added=[ks[3]]))
+    assert dense.loadable("ns", ids, 0) == 0                  # page 0 is in no tier: nothing after it loads
+    assert dense.loadable("ns", ids, PAGE) == 5 * PAGE
+    assert dense.loadable("ns", ids[:4 * PAGE + 1], PAGE) == 3 * PAGE     # the last token's page is computed
+    assert hybrid.loadable("ns", ids, PAGE) == 3 * PAGE       # to the state after page 3
+    assert dense.loadable("other", ids, PAGE) == 0
+    dense.apply(RadixStep(pool="p", budget=0, max_admit=0, tier_pages_dropped=[ks[3]]))
+    assert dense.loadable("ns", ids, PAGE) == 2 * PAGE

@@ -66,10 +66,14 @@ class Engine(RadixExchange):
             self.runner.constrainer.speller = speller
         self.drafter = Drafter(speller, cfg.jump_forward) if cfg.jump_forward > 0 else None
         self._row_cost: float | None = None      # auto: a draft row's cost over a full row's
+        self.tiers = KVTiers(self.runner.kv, self.runner.state, host_pages=cfg.kv_host_pages, disk_dir=cfg.kv_disk_dir,
+                             disk_pages=cfg.kv_disk_pages, identity=model_identity(cfg.model, self.runner.kv, self.page_size)) \
+            if cfg.kv_host_pages > 0 and self.cache else None
         self.pages = pages or LocalPages()
         self._register = RadixRegister(pool=cfg.pool, num_pages=self.num_pages, page_size=cfg.page_size,
                                        cache=self.cache, num_state_slots=num_slots,
-                                       checkpoint_interval=cfg.checkpoint_interval or cfg.max_prefill_tokens)
+                                       checkpoint_interval=cfg.checkpoint_interval or cfg.max_prefill_tokens,
+                                       tier_root=self.tiers.root if self.tiers is not None else b"")
         known = self.pages.register(self._register)
         self.batcher = Batcher(pool=cfg.pool, max_running=cfg.max_running_requests,
                                max_prefill_tokens=cfg.max_prefill_tokens, mixed_chunk_tokens=cfg.mixed_chunk_tokens,
@@ -103,9 +107,6 @@ class Engine(RadixExchange):
         # for /metrics: a step's model time (runner and output handling) by phase, and how long a
         # request waited between arriving and getting its pages
         self.step_seconds = {p: Histogram("step_seconds", labels={"phase": p}) for p in ("prefill", "decode")}
-        self.tiers = KVTiers(self.runner.kv, self.runner.state, host_pages=cfg.kv_host_pages, disk_dir=cfg.kv_disk_dir,
-                             disk_pages=cfg.kv_disk_pages, identity=model_identity(cfg.model, self.runner.kv, self.page_size)) \
-            if cfg.kv_host_pages > 0 and self.cache else None
         self.queue_seconds = Histogram("queue_seconds")
 
     def _tokens_from_memory(self, spec, num_slots: int) -> int:
@@ -196,7 +197,9 @@ class Engine(RadixExchange):
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._new or self._aborts or self._hints or self._sync or self.batcher.has_work())
+            busy = bool(self._new or self._aborts or self._hints or self._sync or self.batcher.has_work())
+        # what the tiers gained and lost goes to radix even when no request runs (placement reads it)
+        return busy or self.tiers is not None and self.tiers.pending()
 
     def sync(self) -> None:
         """Exchange with radix at the next step even with nothing to say: a new radix instance

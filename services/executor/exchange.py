@@ -58,9 +58,21 @@ class RadixExchange:
         msg = self.batcher.radix_message()
         with self._lock:
             sync, self._sync = self._sync, False
-        if msg is None and sync:
+        # what the KV tiers gained and lost rides the step's message (one of its own if none goes)
+        tiers = self.tiers.report() if self.tiers is not None else None
+        if msg is None and (sync or tiers):
             msg = RadixStep(pool=self.cfg.pool, budget=0, max_admit=0)
+        if tiers:
+            msg = msgspec.structs.replace(msg, tier_pages_added=tiers[0], tier_pages_dropped=tiers[1],
+                                          tier_states_added=tiers[2], tier_states_dropped=tiers[3])
         return None if msg is None else (msg, self.pages.send(msg))
+
+    def _unsent(self, msg: RadixStep) -> None:
+        """A step radix may not have applied: its tier report goes again (adding and dropping a key
+        twice changes nothing; the batcher's part is resent by batcher.resend or fails its requests)."""
+        if self.tiers is not None:
+            self.tiers.unreported(msg.tier_pages_added + msg.tier_pages_dropped,
+                                  msg.tier_states_added + msg.tier_states_dropped)
 
     def _receive(self, msg, reply_of) -> list[tuple[str, SeqOutput]]:
         try:
@@ -68,6 +80,7 @@ class RadixExchange:
         except NotFound:
             return self._rejoin()
         except (ServiceUnavailable, RequestTimeout) as e:
+            self._unsent(msg)
             # radix is down or slow (a restart takes seconds): what the message said goes out again
             # with the next one, and waiting requests wait, for up to radix_wait_s; then they fail
             now = time.monotonic()
@@ -81,6 +94,7 @@ class RadixExchange:
             lost = [s for s in self.batcher.waiting if s.rid in cands]
             return [self._error(s, e.code, f"no KV pages: {e.message}") for s in lost]
         except RadixflowError as e:
+            self._unsent(msg)
             cands = {c.rid for c in msg.candidates}
             lost = [s for s in self.batcher.waiting if s.rid in cands]
             return [self._error(s, e.code, f"no KV pages: {e.message}") for s in lost]
@@ -153,6 +167,8 @@ class RadixExchange:
             return [self._error(s, 503, f"the radix service restarted and lost the request's KV: {e.message}")
                     for s in lost]
         b.rejoined(again)
+        if self.tiers is not None:
+            self.tiers.report_all()
         self._radix_down_since = 0.0
         _log.warning("radix restarted: registered again", running=len(going), waiting_again=len(again))
         return []

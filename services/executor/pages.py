@@ -72,7 +72,8 @@ class LocalPages(PageAuthority):
         self.pool: PagePool | None = None
 
     def register(self, msg: RadixRegister) -> bool:
-        self.pool = PagePool(msg.num_pages, msg.page_size, msg.cache, msg.num_state_slots, msg.checkpoint_interval)
+        self.pool = PagePool(msg.num_pages, msg.page_size, msg.cache, msg.num_state_slots, msg.checkpoint_interval,
+                             msg.tier_root)
         self.pool.adopt(msg.held)
         return True
 

@@ -33,14 +33,17 @@ class Disk:
             except ValueError:
                 continue
         self.corrupt = 0
+        self.touched: set[bytes] = set()     # names put or dropped since KVTiers last reported them
         while len(self.index) > self.capacity:
             self._drop(next(iter(self.index)))
+        self.touched |= set(self.index)      # files from an earlier run: reported like new ones
 
     def _path(self, name: bytes) -> Path:
         return self.root / (name[:16].hex() + name[16:].decode())
 
     def _drop(self, name: bytes) -> None:
         self.index.pop(name, None)
+        self.touched.add(name)
         try:
             os.unlink(self._path(name))
         except FileNotFoundError:
@@ -56,6 +59,7 @@ class Disk:
             f.write(_MAGIC + hashlib.blake2b(payload, digest_size=_SUM).digest() + payload)
         os.replace(tmp, self._path(name))          # a reader never sees half a file under its name
         self.index[name] = None
+        self.touched.add(name)
 
     def read(self, name: bytes, size: int) -> bytes | None:
         """The payload of an indexed file, or None (missing, short or failing its checksum). Touches
@@ -104,6 +108,7 @@ class Host:
         self.store = [torch.empty((capacity, *s), dtype=d, pin_memory=pin) for s, d in shapes]
         self.index: OrderedDict[bytes, int] = OrderedDict()
         self.free = list(range(capacity - 1, -1, -1))
+        self.touched: set[bytes] = set()     # keys stored or evicted since KVTiers last reported them
 
     def slot_for(self, key: bytes, spill) -> int | None:
         """A slot to write `key` into: a free one, or the least recent one's (spilled first)."""
@@ -113,8 +118,10 @@ class Host:
             old, slot = self.index.popitem(last=False)
             spill(old, slot)
             self.free.append(slot)
+            self.touched.add(old)
         slot = self.free.pop()
         self.index[key] = slot
+        self.touched.add(key)
         return slot
 
     def get(self, key: bytes) -> int | None:

@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from array import array
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from radixflow.shared.page_keys import PageKeys, chain, root_key
 
 from .prefetch import Prefetcher
 from .tier_stores import Disk, Host
@@ -56,29 +57,11 @@ def model_identity(model: str, kv: "KVPool", page_size: int) -> str:
     return f"{config}|{files}|{dtype}|{page_size}"
 
 
-def chain(prev: bytes, tokens: list[int]) -> bytes:
-    """The key of a page: its predecessor's key and its tokens."""
-    return hashlib.blake2b(prev + array("q", tokens).tobytes(), digest_size=16).digest()
-
-
-class _Keys:
-    """The keys of a prompt's pages in a namespace, for pages that arrive without a Sequence."""
-
-    def __init__(self, root: bytes, namespace: str, tokens: list[int]):
-        self.tokens, self.ks = tokens, [chain(root, list(namespace.encode()))]
-
-    def upto(self, pages: int, ps: int) -> list[bytes]:
-        while len(self.ks) <= pages:
-            i = len(self.ks) - 1
-            self.ks.append(chain(self.ks[-1], self.tokens[i * ps:(i + 1) * ps]))
-        return self.ks[1:]
-
-
 class KVTiers:
     def __init__(self, kv: "KVPool", state: "StatePool | None", *, host_pages: int, disk_dir: str = "",
                  disk_pages: int = 0, identity: str = "", host_states: int = 0):
         self.kv, self.state, self.ps = kv, state, kv.page_size
-        self.root = hashlib.blake2b(identity.encode(), digest_size=16).digest()
+        self.root = root_key(identity)
         dev = kv.k[0].device if kv.k else torch.device("cpu")
         pin = dev.type == "cuda"
         page = [((len(kv.k), self.ps, *kv.k[0].shape[1:]), kv.k[0].dtype)] * 2 if kv.k else []
@@ -306,7 +289,7 @@ class KVTiers:
         pages). Pages before the run are taken to be on the device; the run ends at the first page no
         tier has. The files are read and checked outside the lock; returns the pages brought up."""
         last = (len(tokens) - 1) // self.ps
-        ks = _Keys(self.root, namespace, tokens).upto(last, self.ps)
+        ks = PageKeys(self.root, namespace, tokens, self.ps).upto(last)
         budget, brought, seen = self.host.capacity // 2, 0, False
         for key in ks:
             with self._lock:
@@ -370,7 +353,7 @@ class KVTiers:
         """Pages first .. of the prompt `tokens` in `namespace` (K and V as export gives them) into the
         host tier, and a hybrid state after the last of them; returns the pages stored."""
         n = k.shape[0]
-        ks = _Keys(self.root, namespace, tokens).upto(first + n, self.ps)
+        ks = PageKeys(self.root, namespace, tokens, self.ps).upto(first + n)
         stored = 0
         for i in range(n):
             key = ks[first + i]
@@ -393,6 +376,49 @@ class KVTiers:
     def state_tensors(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """The shapes and dtypes of one state (hybrid), in the order export and put take them."""
         return [(tuple(t.shape[1:]), t.dtype) for t in self.host_states.store]
+
+    # ------------------------------------------------------------ what radix learns of the tiers
+
+    MAX_REPORT = 4096     # keys in one RadixStep at most (16 bytes each: far below the payload limit)
+
+    def report(self) -> tuple[list[bytes], list[bytes], list[bytes], list[bytes]] | None:
+        """The page and state keys the tiers gained and lost since the last report, for the next
+        RadixStep (radix's TierIndex): (pages added, pages dropped, states added, states dropped), at
+        most MAX_REPORT keys (the rest go with the next); None when nothing changed."""
+        with self._lock:
+            if self.disk is not None:
+                for name in self.disk.touched:     # ".kv" a page, ".kvs" a state
+                    (self.host.touched if name.endswith(b".kv") else self.host_states.touched).add(name[:16])
+                self.disk.touched = set()
+            out: tuple[list[bytes], ...] = ([], [], [], [])
+            budget = self.MAX_REPORT
+            for store, suffix, added, dropped in ((self.host, b".kv", out[0], out[1]),
+                                                  (self.host_states, b".kvs", out[2], out[3])):
+                while store.touched and budget:
+                    key = store.touched.pop()
+                    budget -= 1
+                    held = key in store.index or (self.disk is not None and key + suffix in self.disk)
+                    (added if held else dropped).append(key)
+            return out if any(out) else None
+
+    def pending(self) -> bool:
+        """Changes radix has not been told of."""
+        with self._lock:
+            return bool(self.host.touched or self.host_states.touched or self.disk is not None and self.disk.touched)
+
+    def unreported(self, pages: list[bytes], states: list[bytes]) -> None:
+        """A report that radix may not have taken (its step failed): told again with the next."""
+        with self._lock:
+            self.host.touched.update(pages)
+            self.host_states.touched.update(states)
+
+    def report_all(self) -> None:
+        """Radix registered us anew (a restart forgot what we told it): everything again."""
+        with self._lock:
+            self.host.touched.update(self.host.index)
+            self.host_states.touched.update(self.host_states.index)
+            if self.disk is not None:
+                self.disk.touched.update(self.disk.index)
 
     # ------------------------------------------------------------ reporting
 

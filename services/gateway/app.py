@@ -7,7 +7,7 @@
 
 This module assembles them over one Gateway (state.py: the app's state, the caller's identity and
 how it shapes a request) and holds the error middleware: errors are always JSON in OpenAI's shape,
-{"error": {"message", "type", "param", "code"}}, and every answer is counted per tenant.
+{"error": {"message", "type", "param", "code"}}, and the answers it handles are counted per tenant.
 """
 from __future__ import annotations
 

@@ -51,12 +51,13 @@ from radixflow.shared.messages import (Candidate, Deferred, Grow, HeldPages, Pro
 from .admission import Admission
 from .held import Held
 from .pins import Pins
+from .tiered import TierIndex
 from .tree import Evicted, Node, RadixTree, owner_of
 
 
 class PagePool(Admission, Pins):
     def __init__(self, num_pages: int, page_size: int, cache: bool = True, num_state_slots: int = 0,
-                 checkpoint_interval: int = 0):
+                 checkpoint_interval: int = 0, tier_root: bytes = b""):
         self.num_pages = num_pages
         self.page_size = page_size
         self.cache = cache
@@ -77,6 +78,7 @@ class PagePool(Admission, Pins):
         self.pins: dict[str, tuple[Node, float]] = {}     # key -> (locked node, monotonic deadline)
         self._kept: dict[str, list[int]] = {}             # rid -> prompt: last step's deferred candidates
         self._unpinned: deque[str] = deque(maxlen=4096)   # unpinned before their release arrived
+        self.tiered = TierIndex(tier_root, page_size, self.hybrid)   # what the executor's KV tiers hold
         self.counters = {"evicted_pages_total": 0, "state_checkpoints_total": 0, "state_restores_total": 0,
                          "state_recomputed_tokens_total": 0, "evicted_states_total": 0,
                          "quota_evicted_pages_total": 0}
@@ -155,6 +157,7 @@ class PagePool(Admission, Pins):
     # ------------------------------------------------------------ the step protocol
 
     def step(self, msg: RadixStep) -> RadixStepReply:
+        self.tiered.apply(msg)
         for r in msg.releases:
             self.release(r)
         for p in msg.progress:
@@ -295,6 +298,12 @@ class PagePool(Admission, Pins):
         self.counters["evicted_states_total"] -= len(ev.states)
         return len(ev.pages)
 
+    def placement(self, namespace: str, tokens: list[int]) -> tuple[int, int]:
+        """What a prompt would not compute here: tokens reused from the device cache, and tokens
+        after them that the executor's KV tiers would load (as far as their reports say)."""
+        dev = self.match_len(namespace, tokens)
+        return dev, (self.tiered.loadable(namespace, tokens, dev) if self.cache else 0)
+
     def cached_by_scope(self) -> dict[str, int]:
         """Pages each owner's namespaces keep in the tree (what a page quota limits)."""
         return dict(self.tree.owner_pages)
@@ -304,7 +313,8 @@ class PagePool(Admission, Pins):
                "kv_pages_used": self.num_pages - self.free_pages, "kv_pages_cached": self.tree.cached_pages,
                "kv_pages_evictable": self.tree.evictable_pages, "kv_pages_private": self.private_pages,
                "requests_held": len(self.held), "pins": len(self.pins),
-               "kv_pages_pinned": self.pinned_pages()} | self.counters
+               "kv_pages_pinned": self.pinned_pages()} | self.counters \
+            | (self.tiered.stats() if self.tiered.on else {})
         if self.hybrid:
             out |= {"state_slots_total": self.num_state_slots, "state_slots_free": len(self._free_states),
                     "state_slots_used": self.num_state_slots - len(self._free_states),

@@ -43,7 +43,8 @@ class RadixService(Actor):
     async def register(self, req: RadixRegister) -> RadixRegistered:
         if req.num_pages <= 0 or req.page_size <= 0:
             raise BadRequest("num_pages and page_size must be positive")
-        pool = PagePool(req.num_pages, req.page_size, req.cache, req.num_state_slots, req.checkpoint_interval)
+        pool = PagePool(req.num_pages, req.page_size, req.cache, req.num_state_slots, req.checkpoint_interval,
+                        req.tier_root)
         pool.adopt(req.held)
         self.pools[req.pool] = pool
         self.seen[req.pool] = time.monotonic()
@@ -71,8 +72,9 @@ class RadixService(Actor):
         return RadixFlushed(freed_pages=sum(self.pools[n].flush(req.scopes, req.namespaces) for n in names if n in self.pools))
 
     async def place(self, req: RadixPlace) -> RadixPlaceReply:
-        return RadixPlaceReply(cached_tokens={p: self.pools[p].match_len(req.namespace, req.token_ids)
-                                              for p in req.pools if p in self.pools})
+        found = {p: self.pools[p].placement(req.namespace, req.token_ids) for p in req.pools if p in self.pools}
+        return RadixPlaceReply(cached_tokens={p: dev + tier for p, (dev, tier) in found.items()},
+                               tier_tokens={p: tier for p, (_, tier) in found.items() if tier})
 
     async def on_executor(self, hb: Heartbeat) -> None:
         if hb.instance in self.pools:
@@ -109,7 +111,7 @@ class RadixService(Actor):
                         "pins", "evicted_pages_total",
                         "state_slots_used", "state_slots_total", "state_slots_cached", "state_checkpoints_total",
                         "state_restores_total", "state_recomputed_tokens_total", "evicted_states_total",
-                        "quota_evicted_pages_total"):
+                        "quota_evicted_pages_total", "tier_pages_known", "tier_states_known"):
                 if key in st:
                     out.append(Sample(name=key, value=st[key], labels={"pool": name}))
             out += [Sample(name="scope_kv_pages_cached", value=v, labels={"pool": name, "scope": scope})

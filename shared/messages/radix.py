@@ -33,6 +33,7 @@ class RadixRegister(Msg):
     num_state_slots: int = 0          # > 0: a hybrid model; prefixes resume only from checkpoints
     checkpoint_interval: int = 0      # also checkpoint long prefills every this many tokens (0: off)
     held: list[HeldPages] = []
+    tier_root: bytes = b""            # the executor has KV tiers: the root of its page keys (shared/page_keys.py)
 
 
 class RadixRegistered(Msg):
@@ -112,6 +113,12 @@ class RadixStep(Msg):
     unpins: list[str] = []            # programs: pins (Release.pin keys) no longer needed
     demotes: list[Demote] = []
     grows: list[Grow] = []
+    # what the executor's KV tiers gained and lost since its last message, by page key (a state key
+    # names the state after that page): radix counts what a prompt would load from them (place)
+    tier_pages_added: list[bytes] = []
+    tier_pages_dropped: list[bytes] = []
+    tier_states_added: list[bytes] = []
+    tier_states_dropped: list[bytes] = []
 
 
 class Grant(Msg):
@@ -159,7 +166,8 @@ class RadixPlace(Msg):
 
 
 class RadixPlaceReply(Msg):
-    cached_tokens: dict[str, int]     # pool -> tokens it would reuse
+    cached_tokens: dict[str, int]     # pool -> tokens it would reuse (from its device cache or its tiers)
+    tier_tokens: dict[str, int] = {}  # pool -> how many of those its KV tiers hold
 
 
 class CacheHints(Msg):
