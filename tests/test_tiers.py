@@ -349,3 +349,20 @@ def test_tier_index_counts_the_run_a_load_would_take():
     assert dense.loadable("other", ids, PAGE) == 0
     dense.apply(RadixStep(pool="p", budget=0, max_admit=0, tier_pages_dropped=[ks[3]]))
     assert dense.loadable("ns", ids, PAGE) == 2 * PAGE
+
+
+def test_pages_moved_in_keep_the_earlier_pages_radix_counted_here(models):
+    """Disaggregation moves only the pages after what radix counted on the decode executor, its tier
+    included: storing them must not push that tier's earlier pages of the same prompt out (they are
+    made recent first), or the load would stop at the gap and compute what was moved."""
+    from radixflow.shared.page_keys import PageKeys
+    eng = _engine(models["tiny-dense"], host=8)
+    tiers = eng.tiers
+    shape, dtype = tiers.page_shape(), eng.runner.kv.k[0].dtype
+    pages = lambda n: torch.randn(n, *shape).to(dtype)     # noqa: E731
+    ids, other = _tokens(11, 8 * PAGE), _tokens(12, 8 * PAGE)
+    tiers.put("default", ids, 0, pages(3), pages(3))        # this prompt's first three pages
+    tiers.put("default", other, 0, pages(4), pages(4))      # another prompt's, more recent
+    tiers.put("default", ids, 3, pages(4), pages(4))        # the rest of this prompt arrives: 1 slot free
+    ks = PageKeys(tiers.root, "default", ids, PAGE).upto(7)
+    assert all(k in tiers.host.index for k in ks)

@@ -354,6 +354,10 @@ class KVTiers:
         host tier, and a hybrid state after the last of them; returns the pages stored."""
         n = k.shape[0]
         ks = PageKeys(self.root, namespace, tokens, self.ps).upto(first + n)
+        # pages before `first` were not sent because radix counted them here (on the device or in a
+        # tier): those in the host tier are made recent first, so that these do not push them out
+        for key in ks[:first]:
+            self.host.get(key)
         stored = 0
         for i in range(n):
             key = ks[first + i]
