@@ -25,6 +25,13 @@ class PageKeys:
         self.tokens, self.ps = tokens, page_size
         self.ks = [chain(root, list(namespace.encode()))]      # the namespace's root: nothing shared across
 
+    def at(self, i: int) -> bytes:
+        """The key of page i (a whole page of the tokens)."""
+        while len(self.ks) <= i + 1:
+            j = len(self.ks) - 1
+            self.ks.append(chain(self.ks[-1], self.tokens[j * self.ps:(j + 1) * self.ps]))
+        return self.ks[i + 1]
+
     def upto(self, pages: int) -> list[bytes]:
         """The keys of the first `pages` pages (whole pages of the tokens only)."""
         pages = min(pages, len(self.tokens) // self.ps)

@@ -349,6 +349,9 @@ def test_tier_index_counts_the_run_a_load_would_take():
     assert dense.loadable("other", ids, PAGE) == 0
     dense.apply(RadixStep(pool="p", budget=0, max_admit=0, tier_pages_dropped=[ks[3]]))
     assert dense.loadable("ns", ids, PAGE) == 2 * PAGE
+    capped = TierIndex(root, PAGE, False, max_pages=2)         # a load takes at most 2 pages there
+    capped.apply(RadixStep(pool="p", budget=0, max_admit=0, tier_pages_added=ks))
+    assert capped.loadable("ns", ids, PAGE) == 2 * PAGE
 
 
 def test_pages_moved_in_keep_the_earlier_pages_radix_counted_here(models):
@@ -366,3 +369,56 @@ def test_pages_moved_in_keep_the_earlier_pages_radix_counted_here(models):
     tiers.put("default", ids, 3, pages(4), pages(4))        # the rest of this prompt arrives: 1 slot free
     ks = PageKeys(tiers.root, "default", ids, PAGE).upto(7)
     assert all(k in tiers.host.index for k in ks)
+
+
+def _one(eng: Engine, rid: str, ids: list[int]) -> int:
+    return _run(eng, [(rid, ids, "default")], n=2)[rid][2]
+
+
+@pytest.mark.parametrize("case", ["host-only", "host-over-disk"])
+def test_placement_counts_what_the_load_then_takes(models, tmp_path, case):
+    """Where placement and the load could part: a host tier too small for the whole run (the load
+    takes all but one host slot; placement is capped alike), and a grant whose saves would push the
+    request's own run out of a host-only tier before its load (the run is made recent first, and
+    what is saved is what fits beside it)."""
+    if case == "host-only":
+        eng, pre, pushes = _engine(models["tiny-dense"], host=40), _tokens(1, 160), 2
+    else:
+        eng, pre, pushes = _engine(models["tiny-dense"], host=4, disk=str(tmp_path / "kv"), disk_pages=512), \
+            _tokens(1, 320), 4
+    _one(eng, "a", pre + _tokens(2, 10))
+    for i in range(pushes):
+        _one(eng, f"push{i}", _tokens(50 + i, 300))
+    ids = pre + _tokens(3, 300 if case == "host-only" else 10)
+    dev, tier = eng.pages.pool.placement("default", ids)
+    assert tier > 0 and _one(eng, "b", ids) == dev + tier
+
+
+def test_an_idle_executor_does_not_spin_on_a_tier_report_while_radix_is_down(models):
+    """Tier changes go to radix even when nothing runs, but not while radix does not answer: the
+    loop would retry as fast as it can. The heartbeat's sync() brings the report when radix is back."""
+    from radixflow.services.executor.pages import LocalPages
+    from radixflow.shared.errors import ServiceUnavailable
+
+    class Flaky(LocalPages):
+        down = False
+
+        def step(self, msg):
+            if self.down:
+                raise ServiceUnavailable("no service answers")
+            return super().step(msg)
+    eng = Engine(EngineConfig(model=models["tiny-dense"], page_size=PAGE, max_total_tokens=256, max_running_requests=4,
+                              warmup_tokens=0, kv_host_pages=64, decode_reserve=0, radix_wait_s=0.2), pages=Flaky())
+    _run(eng, [(f"r{i}", _tokens(i, 100), "default") for i in range(3)])
+    assert not eng.has_work() and eng.stats()["tier_host_pages_used"] > 0
+    eng.pages.down = True
+    eng.tiers.report_all()                   # changes radix has not heard of
+    assert eng.has_work()
+    eng.step()                               # the report fails: radix is down
+    assert eng.tiers.pending() and not eng.has_work()
+    eng.pages.down = False
+    eng.sync()                               # radix beats again
+    while eng.has_work():
+        eng.step()
+    assert not eng.tiers.pending()
+    assert eng.pages.pool.stats()["tier_pages_known"] == eng.stats()["tier_host_pages_used"]

@@ -73,7 +73,8 @@ class Engine(RadixExchange):
         self._register = RadixRegister(pool=cfg.pool, num_pages=self.num_pages, page_size=cfg.page_size,
                                        cache=self.cache, num_state_slots=num_slots,
                                        checkpoint_interval=cfg.checkpoint_interval or cfg.max_prefill_tokens,
-                                       tier_root=self.tiers.root if self.tiers is not None else b"")
+                                       tier_root=self.tiers.root if self.tiers is not None else b"",
+                                       tier_load_pages=self.tiers.max_load_pages if self.tiers is not None else 0)
         known = self.pages.register(self._register)
         self.batcher = Batcher(pool=cfg.pool, max_running=cfg.max_running_requests,
                                max_prefill_tokens=cfg.max_prefill_tokens, mixed_chunk_tokens=cfg.mixed_chunk_tokens,
@@ -198,8 +199,9 @@ class Engine(RadixExchange):
     def has_work(self) -> bool:
         with self._lock:
             busy = bool(self._new or self._aborts or self._hints or self._sync or self.batcher.has_work())
-        # what the tiers gained and lost goes to radix even when no request runs (placement reads it)
-        return busy or self.tiers is not None and self.tiers.pending()
+        # what the tiers gained and lost goes to radix even when no request runs (placement reads it),
+        # but not while radix is down: the heartbeat's sync() wakes the loop when it is back
+        return busy or self.tiers is not None and not self._radix_down_since and self.tiers.pending()
 
     def sync(self) -> None:
         """Exchange with radix at the next step even with nothing to say: a new radix instance

@@ -108,7 +108,8 @@ class RadixExchange:
             ps = self.page_size
             self.tiers.reused([p for s in started for p in s.pages[s.cached_len // ps:]]
                               + [p for pages in reply.grown.values() for p in pages],
-                              [x for s in started for x in (s.state_slot, s.tail_slot, *s.checkpoints.values())])
+                              [x for s in started for x in (s.state_slot, s.tail_slot, *s.checkpoints.values())],
+                              started)
             for s in started:
                 s.loaded_len = self.tiers.load(s)
         for rid, pages in reply.grown.items():

@@ -73,7 +73,7 @@ class LocalPages(PageAuthority):
 
     def register(self, msg: RadixRegister) -> bool:
         self.pool = PagePool(msg.num_pages, msg.page_size, msg.cache, msg.num_state_slots, msg.checkpoint_interval,
-                             msg.tier_root)
+                             msg.tier_root, msg.tier_load_pages)
         self.pool.adopt(msg.held)
         return True
 

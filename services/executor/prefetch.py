@@ -32,9 +32,11 @@ class _Job:
 
 
 class Prefetcher:
+    IDLE_S = 5.0      # the thread ends after this long without a job (and starts again with the next)
+
     def __init__(self, fetch: Callable[[str, list[int]], int]):
         self._fetch = fetch                          # KVTiers.fetch: (namespace, prompt) -> pages brought up
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._jobs: dict[str, _Job] = {}             # rid -> its job, until it is done or settled
         self._mu = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -43,11 +45,12 @@ class Prefetcher:
         job = _Job(rid, namespace, tokens)
         with self._mu:
             self._jobs[rid] = job
+            self._queue.put(job)
             if self._thread is None:
-                # a daemon: an engine nobody closes (tests, a crash) leaves no thread to wait for at exit
+                # a daemon that ends when idle: an engine nobody closes (tests, benchmarks) is not kept
+                # alive by it, nor is a thread left to wait for at exit
                 self._thread = threading.Thread(target=self._run, name="kv-prefetch", daemon=True)
                 self._thread.start()
-        self._queue.put(job)
 
     def settle(self, rid: str) -> None:
         """rid is being admitted: drop its job if it has not started, wait for it if it has."""
@@ -64,11 +67,16 @@ class Prefetcher:
         with self._mu:
             return len(self._jobs)
 
-    def close(self) -> None:
-        self._queue.put(None)
-
     def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
+        while True:
+            try:
+                job = self._queue.get(timeout=self.IDLE_S)
+            except queue.Empty:
+                with self._mu:           # submit puts under _mu: nothing slips in between
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
             with self._mu:
                 if job.cancelled:
                     continue

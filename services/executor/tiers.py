@@ -84,6 +84,11 @@ class KVTiers:
                          "tier_prefetched_pages_total": 0, "tier_prefetched_states_total": 0,
                          "tier_disk_read_at_admission_pages_total": 0}
 
+    @property
+    def max_load_pages(self) -> int:
+        """The most pages one load takes (radix caps its placement count at it)."""
+        return max(self.host.capacity - 1, 0)
+
     # ------------------------------------------------------------ keys
 
     def keys(self, seq: "Sequence", pages: int) -> list[bytes]:
@@ -116,10 +121,12 @@ class KVTiers:
 
     # ------------------------------------------------------------ the compute thread's entry points (locked)
 
-    def reused(self, pages: list[int], slots: list[int] = ()) -> None:
-        """These pages and slots were just granted: what they held is saved to the host tier first."""
+    def reused(self, pages: list[int], slots: list[int] = (), admitted: list["Sequence"] = ()) -> None:
+        """These pages and slots were just granted (to `admitted`, whose loads come next): what they
+        held is saved to the host tier first."""
         with self._lock:
-            self._reused(pages, slots)
+            kept = sum(self._keep_run(s) for s in admitted)
+            self._reused(pages, slots, kept)
 
     def load(self, seq: "Sequence") -> int:
         """Just admitted: the pages after its device match that a tier has go into its fresh pages;
@@ -145,7 +152,21 @@ class KVTiers:
 
     # ------------------------------------------------------------ saving (before a grant overwrites)
 
-    def _reused(self, pages: list[int], slots: list[int] = ()) -> None:
+    def _keep_run(self, seq: "Sequence") -> int:
+        """The host tier's run of seq's pages after its device match, made recent (the saves before its
+        load must not push out what it is about to load); returns how many."""
+        first = seq.computed_len // self.ps
+        last = min((seq.prefill_len - 1) // self.ps, first + self.max_load_pages)
+        if seq.computed_len % self.ps or last <= first:
+            return 0
+        ks, n = self.keys(seq, last), 0
+        for i in range(first, last):
+            if self.host.get(ks[i]) is None:
+                break
+            n += 1
+        return n
+
+    def _reused(self, pages: list[int], slots: list[int] = (), kept: int = 0) -> None:
         save, seen = [], set()
         for p in pages:
             k = self.page_key.pop(p, None)
@@ -154,6 +175,10 @@ class KVTiers:
                 continue
             seen.add(k)
             save.append((p, k))
+        if self.disk is None:
+            # without a disk below, what does not fit is lost: the admitted requests' runs (`kept`)
+            # are worth more than the oldest of what is saved now
+            save = save[max(len(save) - max(self.host.capacity - kept, 0), 0):]
         # a part's slots are all taken before its pages are written, so a part is at most the tier's
         # size: a bigger save would push out slots of its own part; earlier parts spill to disk
         step = max(self.host.capacity, 1)
@@ -180,7 +205,9 @@ class KVTiers:
 
     def _spill_page(self, key: bytes, slot: int) -> None:
         self._prefetched.discard(key)
-        if self.disk is not None:
+        if self.disk is not None and key + b".kv" in self.disk:
+            self.disk.touch(key + b".kv")          # same key, same bytes: no need to write it again
+        elif self.disk is not None:
             self.disk.put(key + b".kv", self.host.pack(slot))
             self.counters["tier_spilled_pages_total"] += 1
 
@@ -220,7 +247,7 @@ class KVTiers:
         ks = self.keys(seq, last)
         found: list[int] = []            # host slots of the pages start/ps .. in order
         # at most all but one host slot: a page brought up from disk must not push out one found here
-        for i in range(start // self.ps, min(last, start // self.ps + self.host.capacity - 1)):
+        for i in range(start // self.ps, min(last, start // self.ps + self.max_load_pages)):
             self.counters["tier_looked_up_pages_total"] += 1
             slot = self.host.get(ks[i])
             if slot is not None:

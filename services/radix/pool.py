@@ -57,7 +57,7 @@ from .tree import Evicted, Node, RadixTree, owner_of
 
 class PagePool(Admission, Pins):
     def __init__(self, num_pages: int, page_size: int, cache: bool = True, num_state_slots: int = 0,
-                 checkpoint_interval: int = 0, tier_root: bytes = b""):
+                 checkpoint_interval: int = 0, tier_root: bytes = b"", tier_load_pages: int = 0):
         self.num_pages = num_pages
         self.page_size = page_size
         self.cache = cache
@@ -78,7 +78,7 @@ class PagePool(Admission, Pins):
         self.pins: dict[str, tuple[Node, float]] = {}     # key -> (locked node, monotonic deadline)
         self._kept: dict[str, list[int]] = {}             # rid -> prompt: last step's deferred candidates
         self._unpinned: deque[str] = deque(maxlen=4096)   # unpinned before their release arrived
-        self.tiered = TierIndex(tier_root, page_size, self.hybrid)   # what the executor's KV tiers hold
+        self.tiered = TierIndex(tier_root, page_size, self.hybrid, tier_load_pages)   # what the executor's KV tiers hold
         self.counters = {"evicted_pages_total": 0, "state_checkpoints_total": 0, "state_restores_total": 0,
                          "state_recomputed_tokens_total": 0, "evicted_states_total": 0,
                          "quota_evicted_pages_total": 0}
@@ -298,11 +298,12 @@ class PagePool(Admission, Pins):
         self.counters["evicted_states_total"] -= len(ev.states)
         return len(ev.pages)
 
-    def placement(self, namespace: str, tokens: list[int]) -> tuple[int, int]:
+    def placement(self, namespace: str, tokens: list[int], chains: dict | None = None) -> tuple[int, int]:
         """What a prompt would not compute here: tokens reused from the device cache, and tokens
-        after them that the executor's KV tiers would load (as far as their reports say)."""
+        after them that the executor's KV tiers would load (as far as their reports say; `chains`:
+        the prompt's page keys, shared by the pools of one placement)."""
         dev = self.match_len(namespace, tokens)
-        return dev, (self.tiered.loadable(namespace, tokens, dev) if self.cache else 0)
+        return dev, (self.tiered.loadable(namespace, tokens, dev, chains) if self.cache else 0)
 
     def cached_by_scope(self) -> dict[str, int]:
         """Pages each owner's namespaces keep in the tree (what a page quota limits)."""

@@ -44,7 +44,7 @@ class RadixService(Actor):
         if req.num_pages <= 0 or req.page_size <= 0:
             raise BadRequest("num_pages and page_size must be positive")
         pool = PagePool(req.num_pages, req.page_size, req.cache, req.num_state_slots, req.checkpoint_interval,
-                        req.tier_root)
+                        req.tier_root, req.tier_load_pages)
         pool.adopt(req.held)
         self.pools[req.pool] = pool
         self.seen[req.pool] = time.monotonic()
@@ -72,7 +72,8 @@ class RadixService(Actor):
         return RadixFlushed(freed_pages=sum(self.pools[n].flush(req.scopes, req.namespaces) for n in names if n in self.pools))
 
     async def place(self, req: RadixPlace) -> RadixPlaceReply:
-        found = {p: self.pools[p].placement(req.namespace, req.token_ids) for p in req.pools if p in self.pools}
+        chains: dict = {}          # the prompt's page keys, once per model among the pools
+        found = {p: self.pools[p].placement(req.namespace, req.token_ids, chains) for p in req.pools if p in self.pools}
         return RadixPlaceReply(cached_tokens={p: dev + tier for p, (dev, tier) in found.items()},
                                tier_tokens={p: tier for p, (_, tier) in found.items() if tier})
 

@@ -16,8 +16,9 @@ from radixflow.shared.page_keys import PageKeys
 
 
 class TierIndex:
-    def __init__(self, root: bytes, page_size: int, hybrid: bool):
+    def __init__(self, root: bytes, page_size: int, hybrid: bool, max_pages: int = 0):
         self.root, self.ps, self.hybrid = root, page_size, hybrid
+        self.max_pages = max_pages        # the most pages one load takes there (0: no bound known)
         self.pages: set[bytes] = set()
         self.states: set[bytes] = set()
 
@@ -31,22 +32,30 @@ class TierIndex:
         self.states.difference_update(msg.tier_states_dropped)
         self.states.update(msg.tier_states_added)
 
-    def loadable(self, namespace: str, tokens: list[int], start: int) -> int:
+    def loadable(self, namespace: str, tokens: list[int], start: int,
+                 chains: dict[bytes, PageKeys] | None = None) -> int:
         """Tokens of the prompt after `start` (a page boundary: its device match) that the tiers would
-        load; the last prompt token is always computed."""
+        load; the last prompt token is always computed. Keys are computed only as far as the run goes,
+        and shared through `chains` (root -> PageKeys) by the pools of one placement."""
         if not self.root or not self.pages or start % self.ps:
             return 0
         last = (len(tokens) - 1) // self.ps
         first = start // self.ps
+        if self.max_pages:
+            last = min(last, first + self.max_pages)
         if last <= first:
             return 0
-        ks = PageKeys(self.root, namespace, tokens, self.ps).upto(last)
+        chains = {} if chains is None else chains
+        keys = chains.get(self.root)
+        if keys is None:
+            keys = chains[self.root] = PageKeys(self.root, namespace, tokens, self.ps)
         n = best = 0
         for i in range(first, last):
-            if ks[i] not in self.pages:
+            key = keys.at(i)
+            if key not in self.pages:
                 break
             n += 1
-            if ks[i] in self.states:
+            if key in self.states:
                 best = n
         return (best if self.hybrid else n) * self.ps
 

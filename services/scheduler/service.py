@@ -164,11 +164,12 @@ class SchedulerService(OutputPath, Actor):
         return live
 
     async def place(self, live: list[ExecutorState], namespace: str, ids: list[int],
-                    cached: dict[str, int] | None = None) -> ExecutorState:
+                    cached: dict[str, int] | None = None, tiered: dict[str, int] | None = None) -> ExecutorState:
         """Cache-aware placement (routing.py): the cached prefix each executor would reuse, as radix
         knows it, weighed against its load. With one executor there is nothing to ask; if radix
         cannot answer, what this scheduler routed recently and the load decide. `cached`, when
-        given, gets radix's answer. Prefill executors (disagg.py) take no request of their own."""
+        given, gets radix's answer, and `tiered` how much of it is in executors' KV tiers. Prefill
+        executors (disagg.py) take no request of their own."""
         live = [e for e in live if e.info.role != "prefill"] or live
         if len(live) == 1 and cached is None:
             return live[0]
@@ -179,6 +180,8 @@ class SchedulerService(OutputPath, Actor):
                     namespace=namespace, token_ids=ids, pools=[e.instance for e in live]), RadixPlaceReply,
                     timeout=2, idempotent=True)
                 cached.update(reply.cached_tokens)
+                if tiered is not None:
+                    tiered.update(reply.tier_tokens)
             except RadixflowError as e:
                 self.log.warning("placement without radix", error=e.message)
         # load: what this scheduler sent there and has not seen end, or the executor's own queue
@@ -242,7 +245,8 @@ class SchedulerService(OutputPath, Actor):
             namespace = namespace_of(req.cache_scope or req.tenant, req.cache_salt)
             # what each executor has cached, asked of radix when a prefill executor could take the prompt
             cached: dict[str, int] | None = {} if any(e.info.role == "prefill" for e in live) else None
-            ex = await self.place(live, namespace, ids, cached)
+            tiered: dict[str, int] = {}
+            ex = await self.place(live, namespace, ids, cached, tiered)
             # counted at once: a burst's placements run concurrently, and each must see the others
             ex.inflight += req.n == 1
             deadline = time.monotonic() + self.cfg.request_timeout_s
@@ -267,7 +271,10 @@ class SchedulerService(OutputPath, Actor):
                 pf = None if start >= 0 or cached is None else pick_prefill(live, ex, len(ids), cached.get(ex.instance, 0),
                                                           self.cfg.disagg_min_tokens, self.cfg.disagg_max_queue)
                 if pf is not None:
-                    await Handoff(self, pf, ex, exec_req, tracked, cached.get(ex.instance, 0)).start()
+                    # what the decode executor's tiers hold moves too: a tier may drop it before the
+                    # request arrives (the receiver skips pages its host tier still has)
+                    on_device = cached.get(ex.instance, 0) - tiered.get(ex.instance, 0)
+                    await Handoff(self, pf, ex, exec_req, tracked, on_device).start()
                 else:
                     await self.dispatch(ex, exec_req, tracked, reserved=True, burst=burst)
             else:

@@ -34,6 +34,7 @@ class RadixRegister(Msg):
     checkpoint_interval: int = 0      # also checkpoint long prefills every this many tokens (0: off)
     held: list[HeldPages] = []
     tier_root: bytes = b""            # the executor has KV tiers: the root of its page keys (shared/page_keys.py)
+    tier_load_pages: int = 0          # ... and loads at most this many pages of a prompt from them
 
 
 class RadixRegistered(Msg):
