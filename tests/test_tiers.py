@@ -165,7 +165,7 @@ def test_a_bad_disk_file_is_computed_again_not_served(models, tmp_path):
     page file truncated, another's first with a flipped byte, a third's sixth deleted: loading stops
     there and the rest is computed (the bad files dropped); the answers equal those of an engine
     without tiers."""
-    from radixflow.services.executor.tiers import chain
+    from radixflow.shared.page_keys import chain
     disk = tmp_path / "kv"
     eng = _engine(models["tiny-dense"], host=12, disk=str(disk), disk_pages=512)
     _run(eng, _cycling(rounds=1))
@@ -263,7 +263,7 @@ def test_pages_on_disk_are_read_ahead_of_admission_off_the_compute_thread(models
     prefetch thread reads its page files (and hybrid states) into the host tier, so its admission loads
     from host memory and reads no file; a corrupt file met there is dropped and its tokens computed.
     The answers equal those of an engine without tiers."""
-    from radixflow.services.executor.tiers import chain
+    from radixflow.shared.page_keys import chain
     disk = tmp_path / "kv"
     eng = _engine(models[preset], host=24, disk=str(disk), disk_pages=512)
     # hybrid: the second round asks for checkpoints where the tiers' pages end (known_boundary)

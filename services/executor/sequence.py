@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from radixflow.shared.messages import SamplingParams, TopLogprobs
+from radixflow.shared.page_keys import PageKeys
 
 
 class Status(enum.Enum):
@@ -79,7 +80,7 @@ class Sequence:
     # KV tiers (tiers.py): this admission's tokens loaded from the host or disk tier (after cached_len),
     # and the keys of its pages so far (the namespace's root first)
     loaded_len: int = 0
-    tier_keys: list[bytes] = field(default_factory=list)
+    tier_keys: PageKeys | None = None     # KV tiers: its pages' keys (over `tokens`, which only grows in place)
     unfilled: list[int] = field(default_factory=list)   # planned checkpoints a tier load went past (Progress)
     transfer_to: str = ""        # disaggregation: a prefill-only request whose pages go to this executor ...
     transfer_from: int = 0       # ... from this token on (what it has cached already)

@@ -144,3 +144,23 @@ class Host:
             n = t[0].numel() * t.element_size()
             t[slot].copy_(torch.frombuffer(bytearray(raw[off:off + n]), dtype=t.dtype).view(t.shape[1:]))
             off += n
+
+
+def changes(host: Host, states: Host, disk: Disk | None,
+            limit: int) -> tuple[list[bytes], list[bytes], list[bytes], list[bytes]] | None:
+    """What the stores gained and lost since they were last asked, by key: (pages added, pages
+    dropped, states added, states dropped), at most `limit` keys (the rest stay for the next call);
+    None when nothing changed. A key touched is added if any store still holds it (host or disk),
+    else dropped, so that telling a change twice changes nothing."""
+    if disk is not None:
+        for name in disk.touched:                  # ".kv" a page, ".kvs" a state
+            (host.touched if name.endswith(b".kv") else states.touched).add(name[:16])
+        disk.touched = set()
+    out: tuple[list[bytes], ...] = ([], [], [], [])
+    for store, suffix, added, dropped in ((host, b".kv", out[0], out[1]), (states, b".kvs", out[2], out[3])):
+        while store.touched and limit:
+            key = store.touched.pop()
+            limit -= 1
+            held = key in store.index or (disk is not None and key + suffix in disk)
+            (added if held else dropped).append(key)
+    return out if any(out) else None

@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixflow.shared.page_keys import PageKeys, chain, root_key
+from radixflow.shared.page_keys import PageKeys, root_key
 
 from .prefetch import Prefetcher
-from .tier_stores import Disk, Host
+from .tier_stores import Disk, Host, changes
 
 if TYPE_CHECKING:
     from .memory import KVPool, StatePool
@@ -92,14 +92,10 @@ class KVTiers:
     # ------------------------------------------------------------ keys
 
     def keys(self, seq: "Sequence", pages: int) -> list[bytes]:
-        """The keys of seq's first `pages` pages (kept on the sequence, extended as it grows)."""
-        ks = seq.tier_keys
-        if not ks:                       # the namespace's root: nothing is shared across namespaces
-            ks.append(chain(self.root, list(seq.namespace.encode())))
-        while len(ks) <= pages:
-            i = len(ks) - 1
-            ks.append(chain(ks[-1], seq.tokens[i * self.ps:(i + 1) * self.ps]))
-        return ks[1:pages + 1]
+        """The keys of seq's first `pages` pages (kept on the sequence, extended as its tokens grow)."""
+        if seq.tier_keys is None:
+            seq.tier_keys = PageKeys(self.root, seq.namespace, seq.tokens, self.ps)
+        return seq.tier_keys.upto(pages)
 
     # ------------------------------------------------------------ what the device holds
 
@@ -414,23 +410,9 @@ class KVTiers:
 
     def report(self) -> tuple[list[bytes], list[bytes], list[bytes], list[bytes]] | None:
         """The page and state keys the tiers gained and lost since the last report, for the next
-        RadixStep (radix's TierIndex): (pages added, pages dropped, states added, states dropped), at
-        most MAX_REPORT keys (the rest go with the next); None when nothing changed."""
+        RadixStep (radix's TierIndex), at most MAX_REPORT of them (tier_stores.changes)."""
         with self._lock:
-            if self.disk is not None:
-                for name in self.disk.touched:     # ".kv" a page, ".kvs" a state
-                    (self.host.touched if name.endswith(b".kv") else self.host_states.touched).add(name[:16])
-                self.disk.touched = set()
-            out: tuple[list[bytes], ...] = ([], [], [], [])
-            budget = self.MAX_REPORT
-            for store, suffix, added, dropped in ((self.host, b".kv", out[0], out[1]),
-                                                  (self.host_states, b".kvs", out[2], out[3])):
-                while store.touched and budget:
-                    key = store.touched.pop()
-                    budget -= 1
-                    held = key in store.index or (self.disk is not None and key + suffix in self.disk)
-                    (added if held else dropped).append(key)
-            return out if any(out) else None
+            return changes(self.host, self.host_states, self.disk, self.MAX_REPORT)
 
     def pending(self) -> bool:
         """Changes radix has not been told of."""
